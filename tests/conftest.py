@@ -1,0 +1,185 @@
+"""Shared fixtures: in-process workers over a real Unix socket, worker processes, the embedded model."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from worker.config import load_config
+from worker.engines.factory import create_engine
+from worker.gen.cyllm.inference.v1 import inference_pb2 as pb
+from worker.gen.cyllm.inference.v1 import inference_pb2_grpc as pb_grpc
+from worker.server import INFERENCE_SERVICE, Worker
+
+REPO = Path(__file__).resolve().parent.parent
+EMBEDDED = "smollm2-135m-instruct"
+
+
+def short_tmpdir() -> str:
+    # Unix socket paths are limited to 107 bytes; pytest's tmp_path can be longer.
+    return tempfile.mkdtemp(prefix="cyllm-", dir="/tmp")
+
+
+def cache_dir() -> str:
+    return load_config(None, os.environ).models.cache_dir
+
+
+class Client:
+    """Async stubs over one channel to a worker's socket."""
+
+    def __init__(self, socket_path: str):
+        self.channel = grpc.aio.insecure_channel(f"unix:{socket_path}")
+        self.inference = pb_grpc.InferenceServiceStub(self.channel)
+        self.control = pb_grpc.WorkerControlStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+
+    async def collect(self, request: pb.PredictRequest, timeout: float | None = None) -> list[pb.PredictResponse]:
+        return [r async for r in self.inference.StreamPredict(request, timeout=timeout)]
+
+    async def status_of(self, request: pb.PredictRequest, timeout: float | None = None) -> grpc.StatusCode:
+        try:
+            await self.collect(request, timeout)
+        except grpc.aio.AioRpcError as exc:
+            return exc.code()
+        return grpc.StatusCode.OK
+
+    async def load(self) -> pb.WorkerLoad:
+        return await self.control.GetLoad(pb.GetLoadRequest())
+
+    async def wait_idle(self, timeout: float = 5.0) -> pb.WorkerLoad:
+        """Waits until nothing runs or queues; handlers release in their finally blocks."""
+        deadline = time.monotonic() + timeout
+        while True:
+            load = await self.load()
+            if (load.running, load.queued, load.budget_tokens_used) == (0, 0, 0) or time.monotonic() > deadline:
+                return load
+            await asyncio.sleep(0.01)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+@contextlib.asynccontextmanager
+async def running_worker(**overrides: Any):
+    """A Worker in this event loop, serving a fresh socket; yields (worker, client)."""
+    socket_dir = short_tmpdir()
+    settings = {"server.socket": f"{socket_dir}/w.sock", "engine.name": "synthetic", **overrides}
+    config = load_config(None, {"HOME": os.environ.get("HOME", "/tmp")}, settings)
+    worker = Worker(config, create_engine)
+    task = asyncio.create_task(worker.run())
+    client = Client(config.server.socket)
+    try:
+        deadline = time.monotonic() + 60
+        while not worker.inference.ready:
+            if task.done():
+                task.result()
+                raise RuntimeError("worker stopped before it was ready")
+            assert time.monotonic() < deadline, "worker not ready in 60 s"
+            await asyncio.sleep(0.01)
+        yield worker, client
+    finally:
+        await client.close()
+        worker.request_shutdown(0.0)
+        await asyncio.wait_for(task, 30)
+        shutil.rmtree(socket_dir, ignore_errors=True)
+
+
+def synthetic_request(max_tokens: int = 8, **fields: Any) -> pb.PredictRequest:
+    sampling = pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    for key, value in fields.pop("sampling", {}).items():
+        if key in ("stop", "stop_token_ids"):
+            getattr(sampling, key).extend(value)
+        else:
+            setattr(sampling, key, value)
+    fields.setdefault("prompt", "tell me a story")
+    return pb.PredictRequest(sampling=sampling, **fields)
+
+
+class WorkerProcess:
+    """`cy-llm serve` as a child process, for signals, locks and exit codes."""
+
+    def __init__(self, *args: str, socket_path: str | None = None, env: dict[str, str] | None = None):
+        self.socket_dir = None
+        if socket_path is None:
+            self.socket_dir = short_tmpdir()
+            socket_path = f"{self.socket_dir}/w.sock"
+        self.socket_path = socket_path
+        self.log_path = Path(tempfile.mkstemp(prefix="cyllm-log-", dir="/tmp")[1])
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "worker", "serve", "--socket", socket_path, *args],
+            stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, cwd=REPO)
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        with grpc.insecure_channel(f"unix:{self.socket_path}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"worker exited {self.proc.returncode}:\n{self.log()}")
+                try:
+                    reply = stub.Check(health_pb2.HealthCheckRequest(service=INFERENCE_SERVICE), timeout=1)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.05)
+        raise TimeoutError(f"worker not ready in {timeout} s:\n{self.log()}")
+
+    def signal(self, sig: int = signal.SIGTERM) -> None:
+        self.proc.send_signal(sig)
+
+    def wait(self, timeout: float = 30.0) -> int:
+        return self.proc.wait(timeout)
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        self.log_path.unlink(missing_ok=True)
+        if self.socket_dir:
+            shutil.rmtree(self.socket_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def worker_process():
+    started: list[WorkerProcess] = []
+
+    def start(*args: str, **kwargs: Any) -> WorkerProcess:
+        process = WorkerProcess(*args, **kwargs)
+        started.append(process)
+        return process
+
+    yield start
+    for process in started:
+        process.stop()
+
+
+@pytest.fixture(scope="session")
+def embedded_model() -> Path:
+    """The embedded model, prepared once into the cache directory (kept across runs)."""
+    from worker.models import prepare_model
+
+    return prepare_model(EMBEDDED, cache_dir())

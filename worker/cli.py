@@ -1,0 +1,166 @@
+"""The `cy-llm` command: serve, generate, models prepare, bench. The only place that reads the environment."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from worker.config import Config, ConfigError, load_config
+
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
+
+
+def _config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="YAML file (env CYLLM_CONFIG)")
+    parser.add_argument("--socket", help="Unix socket path (env CYLLM_SOCKET)")
+    parser.add_argument("--model", help="model folder or embedded model name (env CYLLM_MODEL)")
+    parser.add_argument("--engine", help="engine name: transformers | synthetic (env CYLLM_ENGINE)")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override any config key, e.g. resources.max_concurrency=4 or engine.args.tokens_per_s=1e5")
+
+
+def _build_config(args: argparse.Namespace) -> Config:
+    overrides: dict[str, Any] = {"server.socket": args.socket, "engine.model": args.model, "engine.name": args.engine}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(key, "--set takes SECTION.KEY=VALUE")
+        overrides[key.strip()] = value
+    return load_config(args.config or os.environ.get("CYLLM_CONFIG"), os.environ, overrides)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cy-llm", description="cy-llm inference worker")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="serve StreamPredict on a Unix socket")
+    _config_args(serve)
+
+    gen = commands.add_parser("generate", help="send one request to a running worker and print the text")
+    _config_args(gen)
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
+    gen.add_argument("--max-tokens", type=int)
+    gen.add_argument("--temperature", type=float)
+    gen.add_argument("--top-p", type=float)
+    gen.add_argument("--top-k", type=int)
+    gen.add_argument("--min-p", type=float)
+    gen.add_argument("--repetition-penalty", type=float)
+    gen.add_argument("--presence-penalty", type=float)
+    gen.add_argument("--frequency-penalty", type=float)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--stop-token-id", action="append", type=int, default=[], dest="stop_token_ids")
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--priority", type=int)
+    gen.add_argument("--request-id")
+    gen.add_argument("--adapter")
+    gen.add_argument("--request-model", dest="request_model", help="the request's model field")
+    gen.add_argument("--timeout", type=float, help="gRPC deadline in seconds")
+    gen.add_argument("--wait", type=float, default=0.0, help="wait up to this many seconds for the worker to be ready")
+
+    models = commands.add_parser("models", help="embedded models")
+    model_commands = models.add_subparsers(dest="models_command", required=True)
+    prepare = model_commands.add_parser("prepare", help="convert an embedded model into the cache once")
+    prepare.add_argument("name")
+    prepare.add_argument("--cache-dir", help="default: models.cache_dir (env CYLLM_CACHE_DIR)")
+    model_commands.add_parser("list", help="embedded models and whether they are prepared")
+
+    bench = commands.add_parser("bench", help="concurrent streams: over the socket, or the engine in-process")
+    _config_args(bench)
+    bench.add_argument("--streams", type=int, default=1)
+    bench.add_argument("--max-tokens", type=int, default=128)
+    bench.add_argument("--prompt", default=None)
+    bench.add_argument("--json", dest="json_out")
+    bench.add_argument("--in-process", action="store_true",
+                       help="build the configured engine here and drive it without gRPC")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    for key, value in OFFLINE_ENV.items():
+        os.environ.setdefault(key, value)
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "serve":
+            return _serve(_build_config(args))
+        if args.command == "generate":
+            return _generate(args, _build_config(args))
+        if args.command == "models":
+            return _models(args)
+        if args.command == "bench":
+            return _bench(args, _build_config(args))
+    except ConfigError as exc:
+        print(f"cy-llm: configuration error: {exc}", file=sys.stderr)
+        return 2
+    return 2
+
+
+def _serve(config: Config) -> int:
+    from worker.engines.factory import create_engine
+    from worker.listener import SocketInUse
+    from worker.server import Worker
+    from worker.telemetry import configure_logging
+
+    configure_logging(config.server.log_level)
+    try:
+        worker = Worker(config, create_engine)
+    except ConfigError as exc:
+        print(f"cy-llm: configuration error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return _run_async(worker.run())
+    except SocketInUse as exc:
+        print(f"cy-llm: {exc}", file=sys.stderr)
+        return 1
+
+
+def _generate(args: argparse.Namespace, config: Config) -> int:
+    from worker.client import build_request, generate
+
+    request = build_request(
+        args.prompt, chat=args.chat, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty, stop=args.stop,
+        stop_token_ids=args.stop_token_ids, seed=args.seed, ignore_eos=args.ignore_eos or None,
+        priority=args.priority, request_id=args.request_id, adapter=args.adapter, model=args.request_model)
+    return generate(config.server.socket, request, wait_s=args.wait, timeout_s=args.timeout)
+
+
+def _models(args: argparse.Namespace) -> int:
+    from worker.models import EMBEDDED_MODELS, prepare_model
+
+    cache_dir = getattr(args, "cache_dir", None) or load_config(None, os.environ).models.cache_dir
+    if args.models_command == "list":
+        for name in EMBEDDED_MODELS:
+            prepared = os.path.isfile(os.path.join(cache_dir, name, "config.json"))
+            print(f"{name}\t{'prepared' if prepared else 'not prepared'}\t{os.path.join(cache_dir, name)}")
+        return 0
+    print(prepare_model(args.name, cache_dir, log=lambda m: print(m, file=sys.stderr)))
+    return 0
+
+
+def _bench(args: argparse.Namespace, config: Config) -> int:
+    from worker.loadgen import DEFAULT_PROMPT, bench
+
+    result = bench(None if args.in_process else config.server.socket, config if args.in_process else None,
+                   args.streams, args.max_tokens, args.prompt or DEFAULT_PROMPT, args.json_out)
+    print(json.dumps(result, indent=2))
+    return 1 if result["errors"] else 0
+
+
+def _run_async(coroutine) -> int:
+    try:
+        import uvloop
+    except ImportError:
+        import asyncio
+
+        return asyncio.run(coroutine)
+    return uvloop.run(coroutine)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,271 @@
+"""The worker's one configuration object: YAML, then CYLLM_* environment, then flags, validated."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+SOCKET_PATH_MAX_BYTES = 107  # sun_path is 108 bytes including the terminating NUL
+EMBEDDED_MODEL = "smollm2-135m-instruct"
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message starts with the dotted key."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(f"{key}: {message}")
+        self.key = key
+
+
+@dataclass
+class ServerConfig:
+    socket: str = ""
+    """Unix socket path; its directory is created 0750 and the socket is 0660."""
+    drain_timeout_s: float = 30.0
+    """On SIGTERM/Drain, how long in-flight streams may run on before they end UNAVAILABLE."""
+    max_receive_message_bytes: int = 4 * 1024 * 1024
+    log_level: str = "info"
+    exit_with_parent: bool = False
+    """Exit when the process that started the worker dies (sidecar, container init)."""
+
+    def validate(self) -> None:
+        if not self.socket:
+            raise ConfigError("server.socket", "must be set")
+        if len(os.fsencode(self.socket)) > SOCKET_PATH_MAX_BYTES:
+            raise ConfigError(
+                "server.socket",
+                f"path is {len(os.fsencode(self.socket))} bytes, over the {SOCKET_PATH_MAX_BYTES}-byte "
+                "limit of a Unix socket path; choose a shorter one",
+            )
+        _check_range("server.drain_timeout_s", self.drain_timeout_s, 0, 3600)
+        _check_range("server.max_receive_message_bytes", self.max_receive_message_bytes, 1024, 1 << 30)
+        if self.log_level.lower() not in {"debug", "info", "warning", "error"}:
+            raise ConfigError("server.log_level", f"{self.log_level!r} is not debug|info|warning|error")
+
+
+@dataclass
+class EngineConfig:
+    name: str = "transformers"
+    """Engine from the factory: transformers | synthetic."""
+    model: str = EMBEDDED_MODEL
+    """A local HF folder, or the name of the embedded model (prepared on first use)."""
+    served_name: str = ""
+    """The name requests use in `model`; defaults to the model's folder or alias name."""
+    device: str = "auto"
+    """auto | cpu | cuda | cuda:N."""
+    dtype: str = "auto"
+    """auto | float32 | bfloat16 | float16; auto is float32 on CPU and bfloat16 on CUDA."""
+    max_model_len: int = 0
+    """Context limit in tokens; 0 takes the model's own."""
+    args: dict[str, Any] = field(default_factory=dict)
+    """Engine-specific arguments, passed through to the engine and checked there."""
+
+    def validate(self) -> None:
+        if not self.name:
+            raise ConfigError("engine.name", "must be set")
+        if not self.model:
+            raise ConfigError("engine.model", "must be set")
+        if self.dtype not in {"auto", "float32", "bfloat16", "float16"}:
+            raise ConfigError("engine.dtype", f"{self.dtype!r} is not auto|float32|bfloat16|float16")
+        if not (self.device in {"auto", "cpu", "cuda"} or self.device.startswith("cuda:")):
+            raise ConfigError("engine.device", f"{self.device!r} is not auto|cpu|cuda|cuda:N")
+        _check_range("engine.max_model_len", self.max_model_len, 0, 10_000_000)
+        if not isinstance(self.args, dict):
+            raise ConfigError("engine.args", "must be a mapping")
+
+
+@dataclass
+class SamplingDefaults:
+    """Applied to every request field the client left unset."""
+
+    temperature: float = 0.7
+    top_p: float = 0.95
+    top_k: int = 0
+    max_tokens: int = 512
+
+    def validate(self) -> None:
+        _check_range("sampling.temperature", self.temperature, 0.0, 2.0)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError("sampling.top_p", f"{self.top_p} is outside (0, 1]")
+        _check_range("sampling.top_k", self.top_k, 0, 1_000_000)
+        _check_range("sampling.max_tokens", self.max_tokens, 1, 1_000_000)
+
+
+@dataclass
+class ResourceConfig:
+    max_concurrency: int = 8
+    """Requests running in the engine at once."""
+    max_queue: int = 256
+    """Requests waiting for admission; beyond it RESOURCE_EXHAUSTED at once."""
+    queue_timeout_s: float = 30.0
+    """How long a request may wait for a slot and budget."""
+    budget_tokens: int = 0
+    """KV budget in tokens (prompt + max_tokens of every running request); 0 takes the engine's."""
+    memory_limit_gib: float = 0.0
+    """For engines that cannot size their KV cache: memory for weights + KV; 0 picks a default."""
+
+    def validate(self) -> None:
+        _check_range("resources.max_concurrency", self.max_concurrency, 1, 100_000)
+        _check_range("resources.max_queue", self.max_queue, 0, 1_000_000)
+        _check_range("resources.queue_timeout_s", self.queue_timeout_s, 0.0, 86_400.0)
+        _check_range("resources.budget_tokens", self.budget_tokens, 0, 1 << 40)
+        _check_range("resources.memory_limit_gib", self.memory_limit_gib, 0.0, 1 << 20)
+
+
+@dataclass
+class ModelsConfig:
+    cache_dir: str = ""
+    """Where prepared models (converted HF folders) live, outside any checkout."""
+
+    def validate(self) -> None:
+        if not self.cache_dir:
+            raise ConfigError("models.cache_dir", "must be set")
+
+
+@dataclass
+class Config:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    sampling: SamplingDefaults = field(default_factory=SamplingDefaults)
+    resources: ResourceConfig = field(default_factory=ResourceConfig)
+    models: ModelsConfig = field(default_factory=ModelsConfig)
+
+    def validate(self) -> Config:
+        for section in (self.server, self.engine, self.sampling, self.resources, self.models):
+            section.validate()
+        return self
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
+# Short environment names for the settings people set most; CYLLM_<SECTION>__<KEY> reaches any.
+ENV_SHORTCUTS = {
+    "CYLLM_SOCKET": "server.socket",
+    "CYLLM_MODEL": "engine.model",
+    "CYLLM_ENGINE": "engine.name",
+    "CYLLM_CACHE_DIR": "models.cache_dir",
+    "CYLLM_LOG_LEVEL": "server.log_level",
+}
+
+
+def default_paths(env: Mapping[str, str]) -> dict[str, str]:
+    """Socket and cache locations a user can write to without root."""
+    runtime = Path(env["XDG_RUNTIME_DIR"]) / "cy-llm" if env.get("XDG_RUNTIME_DIR") else Path(f"/tmp/cy-llm-{os.getuid()}")
+    cache = env.get("XDG_CACHE_HOME") or str(Path(env.get("HOME", "/tmp")) / ".cache")
+    return {
+        "server.socket": str(runtime / "worker.sock"),
+        "models.cache_dir": str(Path(cache) / "cy-llm" / "models"),
+    }
+
+
+def load_config(
+    path: str | Path | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Config:
+    """Builds the config: defaults < YAML file < environment < overrides ("section.key": value)."""
+    env = os.environ if env is None else env
+    values: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+    for key, value in default_paths(env).items():
+        _assign(values, key, value)
+    if path:
+        for key, value in _read_yaml(Path(path)).items():
+            _assign(values, key, value)
+    for name, value in env.items():
+        if name in ENV_SHORTCUTS:
+            _assign(values, ENV_SHORTCUTS[name], value)
+        elif name.startswith("CYLLM_") and "__" in name:
+            section, _, key = name[len("CYLLM_"):].lower().partition("__")
+            _assign(values, f"{section}.{key.replace('__', '.')}", value)
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            _assign(values, key, value)
+    return Config(**{name: _build(name, SECTIONS[name], raw) for name, raw in values.items()}).validate()
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except OSError as exc:
+        raise ConfigError("config", f"cannot read {path}: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError("config", f"{path} is not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError("config", f"{path} must hold a mapping of sections")
+    flat = {}
+    for section, body in data.items():
+        if section not in SECTIONS:
+            raise ConfigError(str(section), f"unknown section; expected one of {', '.join(SECTIONS)}")
+        if not isinstance(body, dict):
+            raise ConfigError(str(section), "must be a mapping")
+        flat.update({f"{section}.{key}": value for key, value in body.items()})
+    return flat
+
+
+def _assign(values: dict[str, dict[str, Any]], dotted: str, value: Any) -> None:
+    section, _, key = dotted.partition(".")
+    if section not in values:
+        raise ConfigError(dotted, f"unknown section; expected one of {', '.join(SECTIONS)}")
+    if key.startswith("args.") and section == "engine":
+        values[section].setdefault("args", {})[key[len("args."):]] = value
+        return
+    values[section][key] = value
+
+
+def _build(section: str, cls: Any, raw: dict[str, Any]) -> Any:
+    cls = globals()[cls] if isinstance(cls, str) else cls
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in raw.items():
+        if key not in known:
+            raise ConfigError(f"{section}.{key}", f"unknown key; expected one of {', '.join(known)}")
+        kwargs[key] = _coerce(f"{section}.{key}", known[key].type, value)
+    return cls(**kwargs)
+
+
+def _coerce(key: str, type_name: Any, value: Any) -> Any:
+    """Converts environment strings and YAML scalars to the field's type, naming the key on failure."""
+    type_name = type_name if isinstance(type_name, str) else type_name.__name__
+    try:
+        if type_name == "bool":
+            if isinstance(value, bool):
+                return value
+            if str(value).lower() in {"1", "true", "yes", "on"}:
+                return True
+            if str(value).lower() in {"0", "false", "no", "off", ""}:
+                return False
+            raise ValueError(value)
+        if type_name == "int":
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError(value)
+            return int(value)
+        if type_name == "float":
+            if isinstance(value, bool):
+                raise ValueError(value)
+            number = float(value)
+            if math.isnan(number):
+                raise ValueError(value)
+            return number
+        if type_name == "str":
+            if isinstance(value, (dict, list)):
+                raise ValueError(value)
+            return str(value)
+        if type_name.startswith("dict"):
+            if isinstance(value, str):
+                value = yaml.safe_load(value) or {}
+            if not isinstance(value, dict):
+                raise ValueError(value)
+            return dict(value)
+    except (TypeError, ValueError):
+        raise ConfigError(key, f"{value!r} is not a valid {type_name}") from None
+    return value
+
+
+def _check_range(key: str, value: float, low: float, high: float) -> None:
+    if not low <= value <= high:
+        raise ConfigError(key, f"{value} is outside [{low}, {high}]")

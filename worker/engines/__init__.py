@@ -1,0 +1,1 @@
+"""Engines behind one interface, built by the factory."""

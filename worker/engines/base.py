@@ -1,0 +1,132 @@
+"""BaseEngine, the interface every engine implements, and RequestStream, how outputs reach a request."""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+from worker.errors import InvalidRequest
+from worker.request import GenerationRequest, RequestOutput, SamplingParams
+
+if TYPE_CHECKING:
+    from worker.config import Config
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What the worker needs to know of a loaded model to validate and admit requests."""
+
+    served_name: str
+    max_model_len: int
+    vocab_size: int
+    kv_bytes_per_token: int
+    """layers x 2 x kv heads x head dim x dtype size; 0 when the engine keeps no KV cache."""
+
+
+class RequestStream:
+    """The outputs of one request, in order. Written by the engine on the event loop thread.
+
+    A consumer that falls behind receives the pending outputs merged into one, so a slow
+    transport sends fewer, larger messages instead of queueing one per token.
+    """
+
+    __slots__ = ("request_id", "finished", "_pending", "_error", "_ready")
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+        self.finished = False
+        self._pending: RequestOutput | None = None
+        self._error: BaseException | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, output: RequestOutput) -> None:
+        if self.finished or self._error is not None:
+            return
+        if output.finish_reason is not None:
+            self.finished = True
+        if self._pending is None:
+            self._pending = output
+            self._ready.set()
+        else:
+            self._pending.merge(output)
+
+    def fail(self, error: BaseException) -> None:
+        """Ends the stream with an error; what was not yet read is dropped."""
+        if self.finished and self._pending is None:
+            return
+        self.finished = True
+        self._error = error
+        self._ready.set()
+
+    async def get(self) -> RequestOutput:
+        while True:
+            if self._error is not None:
+                raise self._error
+            if self._pending is not None:
+                output, self._pending = self._pending, None
+                self._ready.clear()
+                return output
+            await self._ready.wait()
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished and self._pending is None and self._error is None:
+            raise StopAsyncIteration
+        return await self.get()
+
+
+class BaseEngine(ABC):
+    """Loads a model, turns requests into token streams, aborts them, and says what it can hold."""
+
+    name: str
+
+    def __init__(self, config: Config, on_fatal: Callable[[BaseException], None] | None = None):
+        self.config = config
+        self.info: ModelInfo | None = None
+        # Called once if the engine can no longer serve anything; the worker then exits.
+        self._on_fatal = on_fatal or (lambda error: None)
+
+    @abstractmethod
+    async def load_model(self) -> ModelInfo:
+        """Loads weights and starts the engine; returns what requests are checked against."""
+
+    @abstractmethod
+    async def unload_model(self) -> None:
+        """Stops the engine and gives its memory back; every open stream ends."""
+
+    @abstractmethod
+    def encode(self, request: GenerationRequest) -> list[int]:
+        """The prompt's token ids: the prompt text, or the chat rendered with the model's template."""
+
+    @abstractmethod
+    def stream_predict(self, request: GenerationRequest) -> RequestStream:
+        """Starts generating for a request whose prompt_token_ids are set; outputs go to the stream."""
+
+    @abstractmethod
+    def abort(self, stream: RequestStream) -> None:
+        """Stops a request between tokens and frees what it holds; safe to call after it finished."""
+
+    @abstractmethod
+    def kv_budget_tokens(self) -> int:
+        """How many tokens (prompt + max_tokens over running requests) the engine can hold."""
+
+    def get_memory_usage(self) -> dict[str, int]:
+        """Bytes in use per device ("cpu", "cuda:0", ...)."""
+        return {}
+
+    def check_token_ids(self, token_ids: list[int] | tuple[int, ...], field_name: str) -> None:
+        vocab = self.info.vocab_size
+        for token_id in token_ids:
+            if token_id >= vocab:
+                raise InvalidRequest(f"{field_name} holds {token_id}, outside the vocabulary of {vocab}")
+
+    async def warmup(self) -> None:
+        """One real forward pass, so readiness means the model answers."""
+        request = GenerationRequest(
+            request_id="warmup", sampling=SamplingParams(max_tokens=2, ignore_eos=True), prompt_token_ids=[0])
+        async for _ in self.stream_predict(request):
+            pass

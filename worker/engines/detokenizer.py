@@ -1,0 +1,82 @@
+"""Token ids to text deltas that are always whole UTF-8 characters, and stop strings applied to them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Decodes a growing list of ids into new text, holding back bytes of an unfinished character.
+
+    Each step decodes a short window of recent ids with some context before it (vLLM's
+    prefix/read offsets), so leading-space and byte-fallback tokens come out right.
+    """
+
+    def __init__(self, tokenizer: Any, prompt_ids: list[int]):
+        self.tokenizer = tokenizer
+        context = prompt_ids[-6:]
+        self.ids: list[int] = list(context)
+        self.prefix_offset = 0
+        self.read_offset = len(context)
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        decode = self.tokenizer.decode
+        prefix = decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=True)
+        full = decode(self.ids[self.prefix_offset:], skip_special_tokens=True)
+        if len(full) <= len(prefix) or (full.endswith(REPLACEMENT) and not final):
+            return ""
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.ids)
+        return full[len(prefix):]
+
+
+class StopStrings:
+    """Cuts the text at the first stop string and holds back a tail that may begin one."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = stops
+        self.text = ""
+        self.sent = 0
+        self.stopped = False
+
+    def add(self, delta: str) -> str:
+        """Returns the text now safe to send; sets `stopped` once a stop string appears."""
+        if not self.stops:
+            return delta
+        search_from = max(0, len(self.text) - max(map(len, self.stops)) + 1)
+        self.text += delta
+        hits = [i for i in (self.text.find(stop, search_from) for stop in self.stops) if i >= 0]
+        if hits:
+            self.stopped = True
+            end = min(hits)
+        else:
+            end = len(self.text) - self._held_back()
+        out = self.text[self.sent:end] if end > self.sent else ""
+        self.sent = max(self.sent, end)
+        return out
+
+    def flush(self) -> str:
+        """At the end of generation nothing can begin a stop string any more."""
+        if self.stopped:
+            return ""
+        out = self.text[self.sent:]
+        self.sent = len(self.text)
+        return out
+
+    def _held_back(self) -> int:
+        longest = 0
+        for stop in self.stops:
+            for size in range(min(len(stop) - 1, len(self.text)), longest, -1):
+                if self.text.endswith(stop[:size]):
+                    longest = size
+                    break
+        return longest

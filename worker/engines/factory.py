@@ -1,0 +1,44 @@
+"""Engine factory: a name maps to a loader that imports the engine's heavy dependencies only when chosen."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+from worker.config import ConfigError
+
+if TYPE_CHECKING:
+    from worker.config import Config
+    from worker.engines.base import BaseEngine
+
+
+def _transformers() -> type[BaseEngine]:
+    from worker.engines.transformers import TransformersEngine
+
+    return TransformersEngine
+
+
+def _synthetic() -> type[BaseEngine]:
+    from worker.engines.synthetic import SyntheticEngine
+
+    return SyntheticEngine
+
+
+ENGINES: dict[str, Callable[[], type[BaseEngine]]] = {
+    "transformers": _transformers,
+    "synthetic": _synthetic,
+}
+
+
+def create_engine(config: Config, on_fatal: Callable[[BaseException], None] | None = None) -> BaseEngine:
+    loader = ENGINES.get(config.engine.name)
+    if loader is None:
+        raise ConfigError("engine.name", f"unknown engine {config.engine.name!r}; available: {', '.join(ENGINES)}")
+    try:
+        engine_cls = loader()
+    except ImportError as exc:
+        raise ConfigError(
+            "engine.name",
+            f"engine {config.engine.name!r} needs packages that are not installed ({exc.name}); "
+            f"install the extra: pip install 'cy-llm[{config.engine.name}]'",
+        ) from exc
+    return engine_cls(config, on_fatal)

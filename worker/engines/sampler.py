@@ -1,0 +1,78 @@
+"""Batched sampling on the logits' device: penalties, temperature, top-k, top-p, min-p, per-request seeds."""
+
+from __future__ import annotations
+
+import torch
+
+from worker.request import SamplingParams
+
+
+def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator:
+    """One generator per request: the same seed gives the same tokens whatever shares the batch."""
+    generator = torch.Generator(device=device)
+    if params.seed is not None:
+        generator.manual_seed(params.seed % (1 << 63))
+    else:
+        generator.seed()
+    return generator
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    prompt_ids: list[list[int]],
+    output_ids: list[list[int]],
+) -> torch.Tensor:
+    """Repetition penalty over prompt and output tokens (HF/vLLM), presence and frequency over output."""
+    for row, p in enumerate(params):
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(prompt_ids[row]) | set(output_ids[row])), device=logits.device)
+            if seen.numel():
+                values = logits[row, seen]
+                logits[row, seen] = torch.where(
+                    values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and output_ids[row]:
+            ids = torch.tensor(output_ids[row], device=logits.device)
+            counts = torch.zeros(logits.shape[-1], device=logits.device, dtype=logits.dtype)
+            counts.scatter_add_(0, ids, torch.ones_like(ids, dtype=logits.dtype))
+            logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator],
+    prompt_ids: list[list[int]],
+    output_ids: list[list[int]],
+) -> list[int]:
+    """Next token per row of logits (B, V)."""
+    logits = apply_penalties(logits.float(), params, prompt_ids, output_ids)
+    greedy = logits.argmax(dim=-1)
+    if all(p.is_greedy for p in params):
+        return greedy.tolist()
+    device = logits.device
+    temperature = torch.tensor([p.temperature or 1.0 for p in params], device=device)
+    probs = torch.softmax(logits / temperature[:, None], dim=-1)  # (B, V)
+
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    vocab = probs.shape[-1]
+    top_k = torch.tensor([p.top_k or vocab for p in params], device=device)
+    top_p = torch.tensor([p.top_p for p in params], device=device)
+    min_p = torch.tensor([p.min_p for p in params], device=device)
+    ranks = torch.arange(vocab, device=device)[None, :]
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    drop = (ranks >= top_k[:, None]) | (mass_before >= top_p[:, None])
+    drop |= sorted_probs < (min_p * sorted_probs[:, 0])[:, None]
+    drop[:, 0] = False  # the most likely token always survives
+    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+
+    tokens = []
+    for row, p in enumerate(params):
+        if p.is_greedy:
+            tokens.append(int(greedy[row]))
+            continue
+        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, using this row's generator only.
+        noise = torch.empty_like(sorted_probs[row]).exponential_(generator=generators[row])
+        tokens.append(int(order[row, (sorted_probs[row] / noise).argmax()]))
+    return tokens

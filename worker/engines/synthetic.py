@@ -1,0 +1,175 @@
+"""Synthetic engine: deterministic tokens at a set aggregate rate, for tests and transport benchmarks.
+
+It runs no model. Prompts are split into words (one token each); every output token is one
+lowercase letter derived from the seed and position. Never a default: it is chosen by name only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import zlib
+from dataclasses import dataclass, field
+
+from worker.config import ConfigError
+from worker.engines.base import BaseEngine, ModelInfo, RequestStream
+from worker.engines.detokenizer import StopStrings
+from worker.request import GenerationRequest, RequestOutput
+
+MIN_STEP_S = 0.001
+
+
+@dataclass
+class SyntheticArgs:
+    tokens_per_s: float = 2000.0
+    """Aggregate output rate over all running requests (a batched engine's throughput)."""
+    budget_tokens: int = 1_000_000
+    max_model_len: int = 8192
+    vocab_size: int = 32000
+    prefill_tokens_per_s: float = 0.0
+    """When set, the first token of a request waits prompt_tokens / this."""
+
+    @classmethod
+    def from_mapping(cls, args: dict) -> SyntheticArgs:
+        known = set(cls.__dataclass_fields__)
+        for key in args:
+            if key not in known:
+                raise ConfigError(f"engine.args.{key}", f"unknown synthetic engine argument; expected {sorted(known)}")
+        try:
+            parsed = cls(**{k: type(getattr(cls, k))(v) for k, v in args.items()})
+        except (TypeError, ValueError) as exc:
+            raise ConfigError("engine.args", f"synthetic engine: {exc}") from None
+        if parsed.tokens_per_s <= 0:
+            raise ConfigError("engine.args.tokens_per_s", "must be positive")
+        if parsed.vocab_size < 30 or parsed.max_model_len < 2 or parsed.budget_tokens < 1:
+            raise ConfigError("engine.args", "vocab_size >= 30, max_model_len >= 2 and budget_tokens >= 1")
+        return parsed
+
+
+@dataclass(slots=True)
+class _Sequence:
+    request: GenerationRequest
+    stream: RequestStream
+    base: int
+    ready_at: float
+    generated: int = 0
+    stops: StopStrings | None = None
+    stop_ids: frozenset[int] = field(default_factory=frozenset)
+
+
+class SyntheticEngine(BaseEngine):
+    name = "synthetic"
+
+    def __init__(self, config, on_fatal=None):
+        super().__init__(config, on_fatal)
+        self.args = SyntheticArgs.from_mapping(config.engine.args)
+        self._running: dict[int, _Sequence] = {}
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._rotation = 0
+
+    async def load_model(self) -> ModelInfo:
+        self.info = ModelInfo(
+            served_name=self.config.engine.served_name or "synthetic",
+            max_model_len=self.config.engine.max_model_len or self.args.max_model_len,
+            vocab_size=self.args.vocab_size,
+            kv_bytes_per_token=0,
+        )
+        self._task = asyncio.create_task(self._loop(), name="synthetic-engine")
+        self._task.add_done_callback(self._on_loop_exit)
+        return self.info
+
+    async def unload_model(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        for sequence in self._running.values():
+            sequence.stream.put(RequestOutput(finish_reason="aborted"))
+        self._running.clear()
+
+    def kv_budget_tokens(self) -> int:
+        return self.args.budget_tokens
+
+    def encode(self, request: GenerationRequest) -> list[int]:
+        if request.prompt_token_ids is not None:
+            return request.prompt_token_ids
+        text = request.prompt if request.prompt is not None else "\n".join(
+            f"{m.role}: {m.content}" for m in request.messages) + "\nassistant:"
+        vocab = self.args.vocab_size
+        return [zlib.crc32(word.encode()) % vocab for word in text.split()] or [0]
+
+    def stream_predict(self, request: GenerationRequest) -> RequestStream:
+        stream = RequestStream(request.request_id)
+        seed = request.sampling.seed if request.sampling.seed is not None else zlib.crc32(
+            bytes(str(request.prompt_token_ids), "ascii"))
+        delay = (len(request.prompt_token_ids) / self.args.prefill_tokens_per_s
+                 if self.args.prefill_tokens_per_s else 0.0)
+        self._running[id(stream)] = _Sequence(
+            request, stream, base=seed, ready_at=asyncio.get_running_loop().time() + delay,
+            stops=StopStrings(request.sampling.stop) if request.sampling.stop else None,
+            stop_ids=frozenset(request.sampling.stop_token_ids))
+        self._wakeup.set()
+        return stream
+
+    def abort(self, stream: RequestStream) -> None:
+        if self._running.pop(id(stream), None) is not None:
+            stream.put(RequestOutput(finish_reason="aborted"))
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        credit = 0.0
+        last = loop.time()
+        while True:
+            if not self._running:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                last = loop.time()
+            await asyncio.sleep(MIN_STEP_S)
+            now = loop.time()
+            # Tokens earned since the last step, shared round-robin; capped so an idle gap is no burst.
+            credit = min(credit + (now - last) * self.args.tokens_per_s, self.args.tokens_per_s * 0.05)
+            last = now
+            ready = [s for s in self._running.values() if s.ready_at <= now]
+            if not ready or credit < 1:
+                continue
+            tokens = int(credit)
+            credit -= tokens
+            share, extra = divmod(tokens, len(ready))
+            start = self._rotation % len(ready)
+            self._rotation += 1
+            for index, sequence in enumerate(ready):
+                count = share + (1 if (index - start) % len(ready) < extra else 0)
+                if count:
+                    self._emit(sequence, count)
+
+    def _emit(self, sequence: _Sequence, count: int) -> None:
+        request = sequence.request
+        count = min(count, request.sampling.max_tokens - sequence.generated)
+        vocab = self.args.vocab_size
+        first = sequence.generated
+        ids = [(sequence.base + 7919 * (first + i)) % vocab for i in range(count)]
+        finish = None
+        if sequence.stop_ids:
+            for i, token in enumerate(ids):
+                if token in sequence.stop_ids:
+                    ids, finish = ids[:i + 1], "stop"
+                    break
+        sequence.generated += len(ids)
+        text = "".join(chr(97 + token % 26) for token in ids if token not in sequence.stop_ids)
+        if sequence.stops is not None:
+            text = sequence.stops.add(text)
+            if sequence.stops.stopped:
+                finish = "stop"
+        if finish is None and sequence.generated >= request.sampling.max_tokens:
+            finish = "length"
+            if sequence.stops is not None:
+                text += sequence.stops.flush()
+        if finish is not None:
+            del self._running[id(sequence.stream)]
+        sequence.stream.put(RequestOutput(text=text, token_ids=ids, finish_reason=finish))
+
+    def _on_loop_exit(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            self._on_fatal(task.exception())

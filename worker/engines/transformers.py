@@ -1,0 +1,234 @@
+"""transformers engine: a Hugging Face causal LM on CPU or CUDA, one engine thread, requests interleaved per token.
+
+The reference engine: every sampling field honoured, tokens streamed as produced, aborts between
+tokens. Requests take turns a token at a time (no batching); the native engine batches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from worker.config import ConfigError
+from worker.engines.base import BaseEngine, ModelInfo, RequestStream
+from worker.engines.detokenizer import IncrementalDetokenizer, StopStrings
+from worker.engines.sampler import make_generator, sample
+from worker.errors import DeviceOutOfMemory, EngineDead, EngineRequestError, InvalidRequest
+from worker.models import locate_model
+from worker.request import GenerationRequest, RequestOutput
+from worker.telemetry import get_logger
+
+log = get_logger(__name__)
+GIB = 1 << 30
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class _Sequence:
+    stream: RequestStream
+    request: GenerationRequest
+    generator: torch.Generator
+    detokenizer: IncrementalDetokenizer
+    stops: StopStrings
+    output_ids: list[int] = field(default_factory=list)
+    cache: Any = None
+
+
+class TransformersEngine(BaseEngine):
+    name = "transformers"
+
+    def __init__(self, config, on_fatal=None):
+        super().__init__(config, on_fatal)
+        if config.engine.args:
+            raise ConfigError(f"engine.args.{next(iter(config.engine.args))}",
+                              "the transformers engine takes no engine arguments")
+        self.model = None
+        self.tokenizer = None
+        self.device: torch.device | None = None
+        self.eos_ids: frozenset[int] = frozenset()
+        self._budget = 0
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._dead: BaseException | None = None
+
+    async def load_model(self) -> ModelInfo:
+        self._loop = asyncio.get_running_loop()
+        await asyncio.to_thread(self._load)
+        self._thread = threading.Thread(target=self._run, name="transformers-engine", daemon=True)
+        self._thread.start()
+        return self.info
+
+    def _load(self) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        engine = self.config.engine
+        folder = locate_model(engine.model, self.config.models.cache_dir, log=lambda m: log.info(m))
+        if engine.device == "auto":
+            self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        else:
+            self.device = torch.device(engine.device)
+        dtype = DTYPES.get(engine.dtype) or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        self.tokenizer = AutoTokenizer.from_pretrained(folder)
+        try:
+            self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(self.device).eval()
+        except ValueError as exc:
+            raise ConfigError("engine.model", f"{folder}: {exc}") from exc
+        cfg = self.model.config
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        kv_bytes = cfg.num_hidden_layers * 2 * kv_heads * head_dim * dtype.itemsize
+        eos = self.model.generation_config.eos_token_id
+        eos = eos if isinstance(eos, list) else [eos]
+        self.eos_ids = frozenset(i for i in [*eos, self.tokenizer.eos_token_id] if i is not None)
+        self.info = ModelInfo(
+            served_name=engine.served_name or (engine.model if os.sep not in engine.model else folder.name),
+            max_model_len=engine.max_model_len or cfg.max_position_embeddings,
+            vocab_size=max(cfg.vocab_size, len(self.tokenizer)),
+            kv_bytes_per_token=kv_bytes,
+        )
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self._budget = max(0, int((self._memory_limit() - weights) // kv_bytes))
+        log.info("model loaded", folder=str(folder), device=str(self.device), dtype=str(dtype).removeprefix("torch."),
+                 weights_bytes=weights, kv_bytes_per_token=kv_bytes, budget_tokens=self._budget)
+
+    def _memory_limit(self) -> int:
+        configured = self.config.resources.memory_limit_gib
+        if configured:
+            return int(configured * GIB)
+        if self.device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(self.device)
+            return int(free * 0.9)
+        return 4 * GIB
+
+    async def unload_model(self) -> None:
+        if self._thread is not None:
+            self._inbox.put(("stop", None))
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
+        self.model = None
+        gc.collect()
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def kv_budget_tokens(self) -> int:
+        return self._budget
+
+    def get_memory_usage(self) -> dict[str, int]:
+        if self.model is None:
+            return {}
+        if self.device.type == "cuda":
+            return {str(self.device): torch.cuda.memory_allocated(self.device)}
+        return {"cpu": sum(p.numel() * p.element_size() for p in self.model.parameters())}
+
+    def encode(self, request: GenerationRequest) -> list[int]:
+        if request.prompt_token_ids is not None:
+            return request.prompt_token_ids
+        if request.messages is not None:
+            if not self.tokenizer.chat_template:
+                raise InvalidRequest("this model has no chat template; send a prompt instead")
+            rendered = self.tokenizer.apply_chat_template(
+                [{"role": m.role, "content": m.content} for m in request.messages],
+                add_generation_prompt=True, tokenize=False)
+            return self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
+        return self.tokenizer(request.prompt)["input_ids"]
+
+    def stream_predict(self, request: GenerationRequest) -> RequestStream:
+        stream = RequestStream(request.request_id)
+        if self._dead is not None:
+            stream.fail(EngineDead("engine stopped"))
+            return stream
+        self._inbox.put(("add", _Sequence(
+            stream=stream,
+            request=request,
+            generator=make_generator(request.sampling, self.device),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids),
+            stops=StopStrings(request.sampling.stop),
+        )))
+        return stream
+
+    def abort(self, stream: RequestStream) -> None:
+        self._inbox.put(("abort", id(stream)))
+
+    # --- engine thread ---
+
+    def _run(self) -> None:
+        active: dict[int, _Sequence] = {}
+        try:
+            while True:
+                if not self._take_inbox(active, block=not active):
+                    break
+                for key in list(active):
+                    if self._step(active[key]):
+                        del active[key]
+        except BaseException as exc:  # noqa: BLE001 - anything here means the engine cannot go on
+            self._dead = exc
+            log.error("engine thread failed", error=repr(exc))
+            for sequence in active.values():
+                self._post(sequence.stream.fail, EngineDead(f"engine failed: {type(exc).__name__}"))
+            self._loop.call_soon_threadsafe(self._on_fatal, exc)
+            return
+        for sequence in active.values():
+            self._post(sequence.stream.put, RequestOutput(finish_reason="aborted"))
+
+    def _take_inbox(self, active: dict[int, _Sequence], block: bool) -> bool:
+        """Applies adds and aborts; False once asked to stop."""
+        while True:
+            try:
+                kind, item = self._inbox.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if kind == "stop":
+                return False
+            if kind == "add":
+                active[id(item.stream)] = item
+            elif (sequence := active.pop(item, None)) is not None:
+                self._post(sequence.stream.put, RequestOutput(finish_reason="aborted"))
+
+    def _step(self, seq: _Sequence) -> bool:
+        """Runs one token of a sequence; True when it finished."""
+        params = seq.request.sampling
+        try:
+            with torch.inference_mode():
+                last = seq.output_ids[-1:] if seq.cache is not None else seq.request.prompt_token_ids
+                input_ids = torch.tensor([last], device=self.device)
+                out = self.model(input_ids=input_ids, past_key_values=seq.cache, use_cache=True)
+                seq.cache = out.past_key_values
+                token = sample(out.logits[:, -1, :], [params], [seq.generator],
+                               [seq.request.prompt_token_ids], [seq.output_ids])[0]
+        except torch.OutOfMemoryError:
+            seq.cache = None
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            self._post(seq.stream.fail, DeviceOutOfMemory("device out of memory on this request"))
+            return True
+        except Exception as exc:  # noqa: BLE001 - one request's fault; the others go on
+            log.error("request failed in the engine", request_id=seq.request.request_id, error=repr(exc))
+            self._post(seq.stream.fail, EngineRequestError("engine error on this request"))
+            return True
+        seq.output_ids.append(token)
+        finish = None
+        if (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            finish, text = "stop", ""
+        else:
+            text = seq.stops.add(seq.detokenizer.add(token))
+            if seq.stops.stopped:
+                finish = "stop"
+            elif (len(seq.output_ids) >= params.max_tokens
+                  or len(seq.request.prompt_token_ids) + len(seq.output_ids) >= self.info.max_model_len):
+                finish = "length"
+        if finish is not None and not seq.stops.stopped:
+            text += seq.stops.add(seq.detokenizer.flush()) + seq.stops.flush()
+        self._post(seq.stream.put, RequestOutput(text=text, token_ids=[token], finish_reason=finish))
+        return finish is not None
+
+    def _post(self, callback, argument) -> None:
+        self._loop.call_soon_threadsafe(callback, argument)

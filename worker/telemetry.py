@@ -1,0 +1,94 @@
+"""Prometheus metrics (cyllm_ prefix) and structlog JSON logging for the worker."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import TYPE_CHECKING, Callable, Iterable
+
+import structlog
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, CounterMetricFamily
+
+if TYPE_CHECKING:
+    from worker.scheduler import TaskScheduler
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+PER_TOKEN_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
+
+
+class Metrics:
+    """The worker's metrics in a registry of their own, rendered by WorkerControl.Metrics."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("cyllm_requests", "Requests ended, by gRPC status", ["status"], registry=r)
+        self.queue_time = Histogram("cyllm_queue_time_seconds", "Time from arrival to admission",
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("cyllm_time_to_first_token_seconds", "Time from arrival to the first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("cyllm_time_per_output_token_seconds", "Mean time between output tokens",
+                              buckets=PER_TOKEN_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("cyllm_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.generation_tokens = Counter("cyllm_generation_tokens", "Tokens generated", registry=r)
+
+    def watch(self, scheduler: TaskScheduler, memory: Callable[[], dict[str, int]]) -> None:
+        """Reads queue, running, budget and rejections off the scheduler at scrape time."""
+        self.registry.register(_SchedulerCollector(scheduler, memory))
+
+    def render(self) -> str:
+        return generate_latest(self.registry).decode()
+
+
+class _SchedulerCollector:
+    def __init__(self, scheduler: TaskScheduler, memory: Callable[[], dict[str, int]]):
+        self.scheduler = scheduler
+        self.memory = memory
+
+    def describe(self) -> Iterable:
+        return []
+
+    def collect(self) -> Iterable:
+        load = self.scheduler.load()
+        for name, help_text, value in (
+            ("cyllm_queue_depth", "Requests waiting for admission", load.queued),
+            ("cyllm_running_requests", "Requests admitted and running", load.running),
+            ("cyllm_kv_budget_used_tokens", "KV budget held by running requests", load.budget_used),
+            ("cyllm_kv_budget_total_tokens", "KV budget the engine can hold", load.budget_total),
+            ("cyllm_max_concurrency", "Concurrency slots", load.max_concurrency),
+            ("cyllm_draining", "1 while the worker drains", int(load.draining)),
+        ):
+            yield GaugeMetricFamily(name, help_text, value=value)
+        rejections = CounterMetricFamily("cyllm_rejections", "Requests refused admission, by reason",
+                                         labels=["reason"])
+        for reason, count in sorted(self.scheduler.rejections.items()):
+            rejections.add_metric([reason], count)
+        yield rejections
+        memory = GaugeMetricFamily("cyllm_device_memory_used_bytes", "Memory in use per device",
+                                   labels=["device"])
+        for device, used in self.memory().items():
+            memory.add_metric([device], used)
+        yield memory
+
+
+def configure_logging(level: str = "info") -> None:
+    """JSON lines on stderr; request_id and other context come from structlog's contextvars."""
+    numeric = getattr(logging, level.upper())
+    logging.basicConfig(stream=sys.stderr, level=numeric, format="%(message)s")
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            structlog.processors.JSONRenderer(),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(numeric),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+
+
+def get_logger(name: str) -> structlog.stdlib.BoundLogger:
+    return structlog.get_logger(name)
