@@ -1,0 +1,113 @@
+"""End to end on the embedded SmolLM2-135M-Instruct through `cy-llm serve` (transformers engine)."""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from tests.conftest import WorkerProcess
+from worker.gen.cyllm.inference.v1 import inference_pb2 as pb
+from worker.gen.cyllm.inference.v1 import inference_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.model
+FRANCE = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def served(embedded_model):
+    worker = WorkerProcess("--engine", "transformers", "--model", "smollm2-135m-instruct",
+                           "--set", "resources.max_concurrency=4")
+    try:
+        worker.wait_ready(180)
+        with grpc.insecure_channel(f"unix:{worker.socket_path}") as channel:
+            yield pb_grpc.InferenceServiceStub(channel), pb_grpc.WorkerControlStub(channel)
+    finally:
+        worker.stop()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(embedded_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(embedded_model)
+
+
+def chat(content: str, **sampling) -> pb.PredictRequest:
+    return pb.PredictRequest(chat=pb.ChatInput(messages=[pb.ChatMessage(role="user", content=content)]),
+                             sampling=pb.SamplingParams(**sampling), return_token_ids=True)
+
+
+def test_france_answers_paris_streamed_with_right_usage(served, tokenizer):
+    stub, _ = served
+    responses = list(stub.StreamPredict(chat(FRANCE, temperature=0.0, max_tokens=30)))
+    text = "".join(r.text for r in responses)
+    assert "Paris" in text
+    assert text.strip() == "The capital of France is Paris."
+    assert len(responses) > 3
+    last = responses[-1]
+    assert last.finish_reason == pb.FINISH_REASON_STOP
+    token_ids = [t for r in responses for t in r.token_ids]
+    assert last.usage.completion_tokens == len(token_ids)
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": FRANCE}], add_generation_prompt=True,
+                                             tokenize=False)
+    assert last.usage.prompt_tokens == len(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+    assert tokenizer.decode(token_ids, skip_special_tokens=True).strip() == text.strip()
+
+
+def test_seeded_sampling_is_reproducible(served):
+    stub, _ = served
+
+    def run(seed):
+        request = pb.PredictRequest(prompt="Once upon a time", sampling=pb.SamplingParams(
+            temperature=1.0, top_p=0.9, max_tokens=24, seed=seed, ignore_eos=True))
+        return "".join(r.text for r in stub.StreamPredict(request))
+
+    first, again, other = run(1234), run(1234), run(99)
+    assert first == again
+    assert first != other
+
+
+def test_concurrent_streams_interleave_and_all_finish(served):
+    stub, control = served
+
+    def run(i):
+        responses = list(stub.StreamPredict(pb.PredictRequest(
+            prompt=f"Count to {i + 3}:", sampling=pb.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))))
+        return responses[-1].usage.completion_tokens
+
+    with ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(run, range(4))) == [12] * 4
+    load = control.GetLoad(pb.GetLoadRequest())
+    assert (load.running, load.queued, load.budget_tokens_used) == (0, 0, 0)
+
+
+def test_stop_string_and_token_ids_input(served, tokenizer):
+    stub, _ = served
+    ids = tokenizer("The capital of France is")["input_ids"]
+    responses = list(stub.StreamPredict(pb.PredictRequest(
+        token_ids=pb.TokenIds(ids=ids), sampling=pb.SamplingParams(temperature=0, max_tokens=40, stop=["."]))))
+    text = "".join(r.text for r in responses)
+    assert "." not in text and responses[-1].finish_reason == pb.FINISH_REASON_STOP
+    assert responses[-1].usage.prompt_tokens == len(ids)
+
+
+@pytest.mark.parametrize(("request_pb", "code"), [
+    (pb.PredictRequest(token_ids=pb.TokenIds(ids=[1, 49152])), grpc.StatusCode.INVALID_ARGUMENT),
+    (pb.PredictRequest(prompt="hi there", sampling=pb.SamplingParams(max_tokens=8192)), grpc.StatusCode.INVALID_ARGUMENT),
+    (pb.PredictRequest(prompt="hi", model="llama-70b"), grpc.StatusCode.NOT_FOUND),
+    (pb.PredictRequest(prompt="hi", sampling=pb.SamplingParams(stop_token_ids=[10**6])),
+     grpc.StatusCode.INVALID_ARGUMENT),
+])
+def test_bad_input_on_the_real_model(served, request_pb, code):
+    stub, _ = served
+    with pytest.raises(grpc.RpcError) as error:
+        list(stub.StreamPredict(request_pb))
+    assert error.value.code() == code
+    assert list(stub.StreamPredict(chat("hi", max_tokens=2)))[-1].usage.completion_tokens >= 1
+
+
+def test_info_names_the_embedded_model(served):
+    _, control = served
+    info = control.GetInfo(pb.GetInfoRequest())
+    assert info.engine == "transformers" and list(info.models) == ["smollm2-135m-instruct"]
+    assert "cyllm_device_memory_used_bytes{device=\"cpu\"}" in control.Metrics(pb.MetricsRequest()).text

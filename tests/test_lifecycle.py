@@ -1,0 +1,163 @@
+"""The worker as a process: drain on SIGTERM, one instance per socket, stale sockets, bad paths, Drain RPC."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.conftest import REPO, short_tmpdir
+from worker.gen.cyllm.inference.v1 import inference_pb2 as pb
+from worker.gen.cyllm.inference.v1 import inference_pb2_grpc as pb_grpc
+from worker.server import INFERENCE_SERVICE
+
+SYNTHETIC = ("--engine", "synthetic", "--set", "engine.args.tokens_per_s=100")
+
+
+def stream_in_thread(socket_path: str, max_tokens: int, results: dict) -> threading.Thread:
+    """Reads one stream on a thread; results get 'responses', 'code' and 'first' (an Event)."""
+    results["first"] = threading.Event()
+
+    def read():
+        responses = []
+        with grpc.insecure_channel(f"unix:{socket_path}") as channel:
+            stub = pb_grpc.InferenceServiceStub(channel)
+            try:
+                for response in stub.StreamPredict(pb.PredictRequest(
+                        prompt="hello", sampling=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True))):
+                    responses.append(response)
+                    results["first"].set()
+                results["code"] = grpc.StatusCode.OK
+            except grpc.RpcError as exc:
+                results["code"] = exc.code()
+        results["responses"] = responses
+        results["first"].set()
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    return thread
+
+
+def health_status(socket_path: str, service: str):
+    with grpc.insecure_channel(f"unix:{socket_path}") as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=2).status
+
+
+def test_sigterm_drains_in_flight_streams_and_refuses_new_ones(worker_process):
+    worker = worker_process(*SYNTHETIC, "--set", "server.drain_timeout_s=30")
+    worker.wait_ready()
+    results = {}
+    thread = stream_in_thread(worker.socket_path, 150, results)
+    assert results["first"].wait(10)
+    worker.signal(signal.SIGTERM)
+    deadline = time.monotonic() + 2
+    while health_status(worker.socket_path, "") != health_pb2.HealthCheckResponse.NOT_SERVING:
+        assert time.monotonic() < deadline, "health did not go NOT_SERVING at once"
+        time.sleep(0.02)
+    assert health_status(worker.socket_path, INFERENCE_SERVICE) == health_pb2.HealthCheckResponse.NOT_SERVING
+    with grpc.insecure_channel(f"unix:{worker.socket_path}") as channel:
+        try:
+            list(pb_grpc.InferenceServiceStub(channel).StreamPredict(pb.PredictRequest(prompt="late"), timeout=5))
+            raise AssertionError("a new call during drain was served")
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.UNAVAILABLE
+    thread.join(30)
+    assert results["code"] == grpc.StatusCode.OK
+    assert results["responses"][-1].usage.completion_tokens == 150
+    assert worker.wait(10) == 0
+    assert not os.path.exists(worker.socket_path)
+
+
+def test_drain_with_zero_grace_ends_open_streams_unavailable(worker_process):
+    worker = worker_process(*SYNTHETIC, "--set", "server.drain_timeout_s=0")
+    worker.wait_ready()
+    results = {}
+    thread = stream_in_thread(worker.socket_path, 5_000, results)
+    assert results["first"].wait(10)
+    started = time.monotonic()
+    worker.signal(signal.SIGTERM)
+    thread.join(10)
+    assert results["code"] == grpc.StatusCode.UNAVAILABLE
+    assert worker.wait(10) == 0
+    assert time.monotonic() - started < 4
+
+
+def test_grace_runs_out_then_streams_end_unavailable(worker_process):
+    worker = worker_process(*SYNTHETIC, "--set", "server.drain_timeout_s=0.5")
+    worker.wait_ready()
+    results = {}
+    thread = stream_in_thread(worker.socket_path, 5_000, results)
+    assert results["first"].wait(10)
+    worker.signal(signal.SIGTERM)
+    thread.join(10)
+    assert results["code"] == grpc.StatusCode.UNAVAILABLE
+    assert worker.wait(10) == 0
+
+
+def test_second_instance_is_refused_and_the_first_keeps_serving(worker_process):
+    first = worker_process(*SYNTHETIC)
+    first.wait_ready()
+    second = worker_process(*SYNTHETIC, socket_path=first.socket_path)
+    assert second.wait(30) == 1
+    assert "another cy-llm worker" in second.log() and str(first.socket_path) in second.log()
+    assert health_status(first.socket_path, INFERENCE_SERVICE) == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_stale_socket_from_a_killed_run_is_replaced(worker_process):
+    directory = short_tmpdir()
+    path = f"{directory}/w.sock"
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(path)
+    stale.close()  # the file stays, nobody listens: what a kill -9 leaves behind
+    worker = worker_process(*SYNTHETIC, socket_path=path)
+    worker.wait_ready()
+    killed = worker_process(*SYNTHETIC, socket_path=f"{directory}/k.sock")
+    killed.wait_ready()
+    killed.signal(signal.SIGKILL)
+    killed.wait(10)
+    assert os.path.exists(killed.socket_path)
+    restarted = worker_process(*SYNTHETIC, socket_path=killed.socket_path)
+    restarted.wait_ready()
+
+
+def test_socket_and_directory_permissions(worker_process):
+    # The worker sets the mode of a directory it creates; it leaves an existing one as it is.
+    worker = worker_process(*SYNTHETIC, socket_path=f"{short_tmpdir()}/run/w.sock")
+    worker.wait_ready()
+    assert oct(os.stat(worker.socket_path).st_mode & 0o777) == oct(0o660)
+    assert oct(os.stat(os.path.dirname(worker.socket_path)).st_mode & 0o777) == oct(0o750)
+
+
+def test_socket_path_over_the_limit_is_a_clear_error():
+    path = "/tmp/" + "d" * 110 + "/w.sock"
+    result = subprocess.run([sys.executable, "-m", "worker", "serve", "--socket", path, "--engine", "synthetic"],
+                            capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert result.returncode == 2
+    assert "server.socket" in result.stderr and "107-byte limit" in result.stderr
+
+
+def test_drain_rpc_stops_the_worker(worker_process):
+    worker = worker_process(*SYNTHETIC)
+    worker.wait_ready()
+    with grpc.insecure_channel(f"unix:{worker.socket_path}") as channel:
+        reply = pb_grpc.WorkerControlStub(channel).Drain(pb.DrainRequest(timeout_s=5), timeout=5)
+    assert reply.in_flight == 0
+    assert worker.wait(10) == 0
+
+
+def test_generate_cli_prints_text_and_fails_with_the_status(worker_process):
+    worker = worker_process(*SYNTHETIC)
+    worker.wait_ready()
+    ok = subprocess.run([sys.executable, "-m", "worker", "generate", "--socket", worker.socket_path,
+                         "--max-tokens", "5", "--seed", "1", "hello"], capture_output=True, text=True, cwd=REPO)
+    assert ok.returncode == 0 and len(ok.stdout.strip()) == 5
+    assert "completion_tokens=5" in ok.stderr
+    bad = subprocess.run([sys.executable, "-m", "worker", "generate", "--socket", worker.socket_path,
+                          "--top-p", "2", "hello"], capture_output=True, text=True, cwd=REPO)
+    assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr

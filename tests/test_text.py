@@ -1,0 +1,90 @@
+"""Sampling and detokenization, the pieces the engines share."""
+
+import torch
+
+from worker.engines.detokenizer import IncrementalDetokenizer, StopStrings
+from worker.engines.sampler import make_generator, sample
+from worker.request import SamplingParams
+
+
+def test_stop_strings_cut_the_text_and_hold_back_a_possible_start():
+    stops = StopStrings(("END",))
+    assert stops.add("hello E") == "hello "  # "E" may begin "END"
+    assert stops.add("x") == "Ex"
+    assert stops.add(" and EN") == " and "
+    assert stops.add("D more") == ""
+    assert stops.stopped and stops.flush() == ""
+
+
+def test_stop_strings_flush_the_held_tail_at_the_end():
+    stops = StopStrings(("###",))
+    assert stops.add("a#") == "a"
+    assert not stops.stopped and stops.flush() == "#"
+
+
+def test_no_stop_strings_pass_text_through():
+    assert StopStrings(()).add("anything") == "anything"
+
+
+class ByteTokenizer:
+    """A byte-level stand-in: one token per UTF-8 byte, decoded with replacement like HF tokenizers."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_detokenizer_never_splits_a_character():
+    text = "héllo 🙂 世界!"
+    detokenizer = IncrementalDetokenizer(ByteTokenizer(), list(b"> "))
+    deltas = [detokenizer.add(b) for b in text.encode()] + [detokenizer.flush()]
+    assert "".join(deltas) == text
+    assert all("\ufffd" not in d for d in deltas)
+    assert sum(1 for d in deltas if d) > 5
+
+
+def test_greedy_and_top_k_one_agree():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 100)
+    greedy = [SamplingParams()] * 3
+    gens = [make_generator(p, torch.device("cpu")) for p in greedy]
+    expected = logits.argmax(-1).tolist()
+    assert sample(logits.clone(), greedy, gens, [[]] * 3, [[]] * 3) == expected
+    top1 = [SamplingParams(temperature=1.0, top_k=1, seed=i) for i in range(3)]
+    gens = [make_generator(p, torch.device("cpu")) for p in top1]
+    assert sample(logits.clone(), top1, gens, [[]] * 3, [[]] * 3) == expected
+
+
+def test_same_seed_same_tokens_whatever_else_is_in_the_batch():
+    logits = torch.zeros(1, 50)
+    params = SamplingParams(temperature=1.0, seed=42)
+
+    def draw(batch_rows):
+        rows = [params] + [SamplingParams(temperature=1.0, seed=s) for s in range(batch_rows)]
+        gens = [make_generator(p, torch.device("cpu")) for p in rows]
+        out = []
+        for _ in range(20):
+            batch = logits.repeat(len(rows), 1)
+            out.append(sample(batch, rows, gens, [[]] * len(rows), [[]] * len(rows))[0])
+        return out
+
+    assert draw(0) == draw(3)
+    assert len(set(draw(0))) > 5
+
+
+def test_top_p_and_min_p_keep_only_the_head():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    for params in (SamplingParams(temperature=1.0, top_p=0.5, seed=1), SamplingParams(temperature=1.0, min_p=0.7, seed=1)):
+        gen = make_generator(params, torch.device("cpu"))
+        assert {sample(logits.clone(), [params], [gen], [[]], [[]])[0] for _ in range(50)} == {0}
+
+
+def test_penalties_move_probability_away_from_seen_tokens():
+    logits = torch.tensor([[2.0, 1.9, 0.0]])
+    params = SamplingParams(repetition_penalty=2.0)
+    gen = make_generator(params, torch.device("cpu"))
+    assert sample(logits.clone(), [params], [gen], [[0]], [[]]) == [1]
+    params = SamplingParams(presence_penalty=0.5)
+    assert sample(logits.clone(), [params], [gen], [[]], [[0]]) == [1]
+    params = SamplingParams(frequency_penalty=0.05)
+    assert sample(logits.clone(), [params], [gen], [[]], [[0]]) == [0]
+    assert sample(logits.clone(), [params], [gen], [[]], [[0, 0, 0]]) == [1]
