@@ -145,7 +145,9 @@ def _models(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace, config: Config) -> int:
     from worker.loadgen import DEFAULT_PROMPT, bench
+    from worker.telemetry import configure_logging
 
+    configure_logging(config.server.log_level)  # logs to stderr; stdout carries the JSON result
     result = bench(None if args.in_process else config.server.socket, config if args.in_process else None,
                    args.streams, args.max_tokens, args.prompt or DEFAULT_PROMPT, args.json_out)
     print(json.dumps(result, indent=2))

@@ -31,6 +31,8 @@ class StreamTrace:
 
 async def run_over_socket(socket_path: str, streams: int, max_tokens: int, prompt: str) -> tuple[list[StreamTrace], float]:
     async with grpc.aio.insecure_channel(f"unix:{socket_path}") as channel:
+        # Connect first: a gateway or sidecar keeps its connection, so setup is no part of TTFT.
+        await asyncio.wait_for(channel.channel_ready(), 30)
         stub = pb_grpc.InferenceServiceStub(channel)
 
         async def one(index: int) -> StreamTrace:
