@@ -31,6 +31,10 @@ class ServerConfig:
     """On SIGTERM/Drain, how long in-flight streams may run on before they end UNAVAILABLE."""
     max_receive_message_bytes: int = 4 * 1024 * 1024
     log_level: str = "info"
+    max_messages_per_s: float = 10_000.0
+    """Response messages per second over all streams; each stream's messages are spaced by
+    running streams / this, and tokens produced meanwhile ride in the next message. Leaves the
+    event loop room to accept new calls under load. 0 sends as fast as the transport takes them."""
     exit_with_parent: bool = False
     """Exit when the process that started the worker dies (sidecar, container init)."""
 
@@ -44,6 +48,7 @@ class ServerConfig:
                 "limit of a Unix socket path; choose a shorter one",
             )
         _check_range("server.drain_timeout_s", self.drain_timeout_s, 0, 3600)
+        _check_range("server.max_messages_per_s", self.max_messages_per_s, 0, 1e9)
         _check_range("server.max_receive_message_bytes", self.max_receive_message_bytes, 1024, 1 << 30)
         if self.log_level.lower() not in {"debug", "info", "warning", "error"}:
             raise ConfigError("server.log_level", f"{self.log_level!r} is not debug|info|warning|error")

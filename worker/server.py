@@ -50,6 +50,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self.scheduler = scheduler
         self.metrics = metrics
         self.defaults = config.sampling
+        self.max_messages_per_s = config.server.max_messages_per_s
         self.adapters: frozenset[str] = frozenset()
         self.ready = False
         self.draining = False
@@ -112,6 +113,10 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 elif not output.text and not response.token_ids:
                     continue
                 yield response
+                if self.max_messages_per_s and not finished:
+                    spacing = len(self._streams) / self.max_messages_per_s
+                    if spacing > 0.0005:  # below this a timer costs more than the message it saves
+                        await asyncio.sleep(spacing)
         except WorkerError as exc:
             status, detail = status_for(exc)
             await context.abort(status, detail)
