@@ -183,3 +183,84 @@ def embedded_model() -> Path:
     from worker.models import prepare_model
 
     return prepare_model(EMBEDDED, cache_dir())
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def sidecar_binary() -> Path:
+    """cargo build --release of sidecar/, into a target directory outside the clone (kept across runs)."""
+    target = Path(os.environ.get("CARGO_TARGET_DIR", Path.home() / ".cache" / "cy-llm" / "cargo-target"))
+    subprocess.run(["cargo", "build", "--release", "--quiet"], cwd=REPO / "sidecar", check=True,
+                   env={**os.environ, "CARGO_TARGET_DIR": str(target)}, timeout=1800)
+    return target / "release" / "cy-llm-sidecar"
+
+
+class SidecarProcess:
+    """cy-llm-sidecar on loopback ports in front of the given worker sockets."""
+
+    def __init__(self, binary: Path, sockets: list[str], *args: str, env: dict[str, str] | None = None):
+        self.grpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
+        self.log_path = Path(tempfile.mkstemp(prefix="cyllm-sidecar-", dir="/tmp")[1])
+        self._log = open(self.log_path, "w")
+        command = [str(binary), "--grpc-addr", f"127.0.0.1:{self.grpc_port}",
+                   "--http-addr", f"127.0.0.1:{self.http_port}", "--metrics-addr", f"127.0.0.1:{self.metrics_port}",
+                   *(f"--worker=unix://{s}" for s in sockets), *args]
+        self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
+
+    @property
+    def http(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        import urllib.error
+        import urllib.request
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"sidecar exited {self.proc.returncode}:\n{self.log()}")
+            try:
+                with urllib.request.urlopen(f"{self.http}/readyz", timeout=1) as reply:
+                    if reply.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError):
+                pass
+            time.sleep(0.05)
+        raise TimeoutError(f"sidecar not ready in {timeout} s:\n{self.log()}")
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        self.log_path.unlink(missing_ok=True)
+
+
+@pytest.fixture
+def sidecar(sidecar_binary):
+    started: list[SidecarProcess] = []
+
+    def start(sockets: list[str], *args: str, **kwargs: Any) -> SidecarProcess:
+        process = SidecarProcess(sidecar_binary, sockets, *args, **kwargs)
+        started.append(process)
+        return process
+
+    yield start
+    for process in started:
+        process.stop()

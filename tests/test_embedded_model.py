@@ -20,7 +20,7 @@ def served(embedded_model):
     try:
         worker.wait_ready(180)
         with grpc.insecure_channel(f"unix:{worker.socket_path}") as channel:
-            yield pb_grpc.InferenceServiceStub(channel), pb_grpc.WorkerControlStub(channel)
+            yield pb_grpc.InferenceServiceStub(channel), pb_grpc.WorkerControlStub(channel), worker.socket_path
     finally:
         worker.stop()
 
@@ -38,7 +38,7 @@ def chat(content: str, **sampling) -> pb.PredictRequest:
 
 
 def test_france_answers_paris_streamed_with_right_usage(served, tokenizer):
-    stub, _ = served
+    stub, _, _ = served
     responses = list(stub.StreamPredict(chat(FRANCE, temperature=0.0, max_tokens=30)))
     text = "".join(r.text for r in responses)
     assert "Paris" in text
@@ -55,7 +55,7 @@ def test_france_answers_paris_streamed_with_right_usage(served, tokenizer):
 
 
 def test_seeded_sampling_is_reproducible(served):
-    stub, _ = served
+    stub, _, _ = served
 
     def run(seed):
         request = pb.PredictRequest(prompt="Once upon a time", sampling=pb.SamplingParams(
@@ -68,7 +68,7 @@ def test_seeded_sampling_is_reproducible(served):
 
 
 def test_concurrent_streams_interleave_and_all_finish(served):
-    stub, control = served
+    stub, control, _ = served
 
     def run(i):
         responses = list(stub.StreamPredict(pb.PredictRequest(
@@ -82,7 +82,7 @@ def test_concurrent_streams_interleave_and_all_finish(served):
 
 
 def test_stop_string_and_token_ids_input(served, tokenizer):
-    stub, _ = served
+    stub, _, _ = served
     ids = tokenizer("The capital of France is")["input_ids"]
     responses = list(stub.StreamPredict(pb.PredictRequest(
         token_ids=pb.TokenIds(ids=ids), sampling=pb.SamplingParams(temperature=0, max_tokens=40, stop=["."]))))
@@ -99,7 +99,7 @@ def test_stop_string_and_token_ids_input(served, tokenizer):
      grpc.StatusCode.INVALID_ARGUMENT),
 ])
 def test_bad_input_on_the_real_model(served, request_pb, code):
-    stub, _ = served
+    stub, _, _ = served
     with pytest.raises(grpc.RpcError) as error:
         list(stub.StreamPredict(request_pb))
     assert error.value.code() == code
@@ -107,7 +107,23 @@ def test_bad_input_on_the_real_model(served, request_pb, code):
 
 
 def test_info_names_the_embedded_model(served):
-    _, control = served
+    _, control, _ = served
     info = control.GetInfo(pb.GetInfoRequest())
     assert info.engine == "transformers" and list(info.models) == ["smollm2-135m-instruct"]
     assert "cyllm_device_memory_used_bytes{device=\"cpu\"}" in control.Metrics(pb.MetricsRequest()).text
+
+
+def test_openai_sdk_through_the_sidecar_answers_paris(served, sidecar):
+    import openai
+
+    _, _, socket_path = served
+    front = sidecar([socket_path])
+    front.wait_ready()
+    client = openai.OpenAI(base_url=f"{front.http}/v1", api_key="unused", max_retries=0)
+    reply = client.chat.completions.create(model="smollm2-135m-instruct", temperature=0, max_tokens=30,
+                                           messages=[{"role": "user", "content": FRANCE}])
+    assert reply.choices[0].message.content.strip() == "The capital of France is Paris."
+    assert reply.choices[0].finish_reason == "stop" and reply.usage.completion_tokens > 5
+    chunks = client.chat.completions.create(model="smollm2-135m-instruct", temperature=0, max_tokens=30, stream=True,
+                                            messages=[{"role": "user", "content": FRANCE}])
+    assert "Paris" in "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)

@@ -1,0 +1,92 @@
+//! Command-line flags, each also read from the environment (clap `env`).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Parser, ValueEnum};
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum RoutingMode {
+    /// Power of two random choices, the one with fewer outstanding requests wins.
+    LeastOutstanding,
+    /// Requests whose first `--prefix-bytes` bytes match go to the same worker (its prefix cache).
+    PrefixAffinity,
+}
+
+#[derive(Parser, Debug, Clone)]
+#[command(name = "cy-llm-sidecar", version, about = "Gateway-facing sidecar for cy-llm workers")]
+pub struct Args {
+    /// Worker socket, e.g. unix:///run/cy-llm/w0.sock (repeat the flag, or comma-separate in env).
+    #[arg(long = "worker", env = "CYLLM_SIDECAR_WORKERS", value_delimiter = ',', required = true)]
+    pub workers: Vec<String>,
+    /// gRPC listener (InferenceService, health, reflection).
+    #[arg(long, env = "CYLLM_SIDECAR_GRPC_ADDR", default_value = "0.0.0.0:50051")]
+    pub grpc_addr: SocketAddr,
+    /// OpenAI-compatible HTTP listener, with /healthz and /readyz.
+    #[arg(long, env = "CYLLM_SIDECAR_HTTP_ADDR", default_value = "0.0.0.0:8080")]
+    pub http_addr: SocketAddr,
+    /// Prometheus /metrics listener: the sidecar's metrics and every worker's, labelled by worker.
+    #[arg(long, env = "CYLLM_SIDECAR_METRICS_ADDR", default_value = "0.0.0.0:9090")]
+    pub metrics_addr: SocketAddr,
+    /// API keys (comma-separated). With none here or in --api-keys-file, auth is off.
+    #[arg(long, env = "CYLLM_SIDECAR_API_KEYS", value_delimiter = ',', hide_env_values = true)]
+    pub api_keys: Vec<String>,
+    /// File with one API key per line (# comments allowed).
+    #[arg(long, env = "CYLLM_SIDECAR_API_KEYS_FILE")]
+    pub api_keys_file: Option<PathBuf>,
+    #[arg(long, env = "CYLLM_SIDECAR_ROUTING", value_enum, default_value = "least-outstanding")]
+    pub routing: RoutingMode,
+    /// Prompt bytes hashed for prefix affinity.
+    #[arg(long, env = "CYLLM_SIDECAR_PREFIX_BYTES", default_value_t = 256)]
+    pub prefix_bytes: usize,
+    /// Attempts on other workers after UNAVAILABLE or RESOURCE_EXHAUSTED, before the first message.
+    #[arg(long, env = "CYLLM_SIDECAR_MAX_RETRIES", default_value_t = 2)]
+    pub max_retries: u32,
+    /// Retries allowed per request on average (a token bucket refilled by each request).
+    #[arg(long, env = "CYLLM_SIDECAR_RETRY_BUDGET", default_value_t = 0.2)]
+    pub retry_budget: f64,
+    /// Consecutive failures that open a worker's circuit breaker.
+    #[arg(long, env = "CYLLM_SIDECAR_BREAKER_FAILURES", default_value_t = 5)]
+    pub breaker_failures: u32,
+    /// Seconds an open breaker waits before letting one probe through.
+    #[arg(long, env = "CYLLM_SIDECAR_BREAKER_COOLDOWN_S", default_value_t = 5.0)]
+    pub breaker_cooldown_s: f64,
+    /// Largest request body or message accepted, in bytes (HTTP 413 / RESOURCE_EXHAUSTED beyond).
+    #[arg(long, env = "CYLLM_SIDECAR_MAX_REQUEST_BYTES", default_value_t = 4 * 1024 * 1024)]
+    pub max_request_bytes: usize,
+    /// Streams open at once over gRPC and HTTP together; beyond it RESOURCE_EXHAUSTED / 429.
+    #[arg(long, env = "CYLLM_SIDECAR_MAX_STREAMS", default_value_t = 1024)]
+    pub max_streams: usize,
+    /// Deadline for HTTP requests (gRPC callers send their own grpc-timeout); 0 for none.
+    #[arg(long, env = "CYLLM_SIDECAR_HTTP_TIMEOUT_S", default_value_t = 600.0)]
+    pub http_timeout_s: f64,
+    /// On SIGTERM, how long open streams may run on before the sidecar exits.
+    #[arg(long, env = "CYLLM_SIDECAR_SHUTDOWN_GRACE_S", default_value_t = 30.0)]
+    pub shutdown_grace_s: f64,
+    /// How often each worker's GetLoad is read.
+    #[arg(long, env = "CYLLM_SIDECAR_LOAD_POLL_S", default_value_t = 1.0)]
+    pub load_poll_s: f64,
+    /// tracing filter, e.g. info or cy_llm_sidecar=debug.
+    #[arg(long, env = "CYLLM_SIDECAR_LOG", default_value = "info")]
+    pub log: String,
+}
+
+impl Args {
+    pub fn http_timeout(&self) -> Option<Duration> {
+        (self.http_timeout_s > 0.0).then(|| Duration::from_secs_f64(self.http_timeout_s))
+    }
+
+    /// Keys from the flag/env and the file, blank lines and comments dropped.
+    pub fn load_api_keys(&self) -> anyhow::Result<Vec<String>> {
+        let mut keys: Vec<String> = self.api_keys.iter().filter(|k| !k.is_empty()).cloned().collect();
+        if let Some(path) = &self.api_keys_file {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| anyhow::anyhow!("cannot read --api-keys-file {}: {e}", path.display()))?;
+            keys.extend(
+                text.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#')).map(String::from),
+            );
+        }
+        Ok(keys)
+    }
+}

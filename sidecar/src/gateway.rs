@@ -1,0 +1,261 @@
+//! Opening a stream to a worker for one request: choose, call, retry before the first message,
+//! keep the breaker and metrics, and hold a stream slot until the stream is dropped.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tonic::Streaming;
+
+use crate::config::{Args, RoutingMode};
+use crate::error::{upstream_code, SidecarError};
+use crate::pool::{OutstandingGuard, Pool, Worker};
+use crate::proto::inference_service_client::InferenceServiceClient;
+use crate::proto::predict_request::Input;
+use crate::proto::{PredictRequest, PredictResponse};
+use crate::routing::{is_worker_failure, pick, prefix_key, retryable, RetryBudget};
+
+/// Where a request came in, for metric labels.
+#[derive(Clone, Copy, Debug)]
+pub enum Route {
+    Grpc,
+    Completions,
+    ChatCompletions,
+}
+
+impl Route {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Route::Grpc => "grpc",
+            Route::Completions => "completions",
+            Route::ChatCompletions => "chat_completions",
+        }
+    }
+}
+
+pub struct Gateway {
+    pub pool: Arc<Pool>,
+    pub shutting_down: AtomicBool,
+    budget: RetryBudget,
+    streams: Arc<Semaphore>,
+    max_retries: u32,
+    routing: RoutingMode,
+    prefix_bytes: usize,
+    max_decoding_bytes: usize,
+}
+
+impl Gateway {
+    pub fn new(pool: Arc<Pool>, args: &Args) -> Self {
+        Self {
+            pool,
+            shutting_down: AtomicBool::new(false),
+            budget: RetryBudget::new(args.retry_budget),
+            streams: Arc::new(Semaphore::new(args.max_streams)),
+            max_retries: args.max_retries,
+            routing: args.routing,
+            prefix_bytes: args.prefix_bytes,
+            max_decoding_bytes: args.max_request_bytes.max(16 * 1024 * 1024),
+        }
+    }
+
+    pub fn is_shutting_down(&self) -> bool {
+        self.shutting_down.load(Ordering::Acquire)
+    }
+
+    /// A stream from a worker whose first message has arrived (so later failures are not retried).
+    pub async fn open(
+        &self,
+        request: PredictRequest,
+        timeout: Option<Duration>,
+        route: Route,
+    ) -> Result<Upstream, SidecarError> {
+        let started = Instant::now();
+        let result = self.admit(&request);
+        if let Err(error) = result {
+            record_end(route, "none", code_name(error.code()), started, None);
+            return Err(error);
+        }
+        let permit = result?;
+        self.budget.deposit();
+        let deadline = timeout.map(|t| started + t);
+        let affinity = (self.routing == RoutingMode::PrefixAffinity).then(|| affinity_key(&request, self.prefix_bytes));
+        let mut tried: Vec<Arc<Worker>> = Vec::new();
+        let mut last_error = None;
+        for attempt in 0..=self.max_retries {
+            let now = Instant::now();
+            let candidates: Vec<_> = self
+                .pool
+                .candidates(&request.model, now)
+                .into_iter()
+                .filter(|w| !tried.iter().any(|t| Arc::ptr_eq(t, w)))
+                .collect();
+            let Some(worker) = pick(&candidates, affinity, &mut rand::rng()) else { break };
+            tried.push(worker.clone());
+            if !worker.breaker.allow(now) {
+                continue;
+            }
+            let remaining = match deadline {
+                Some(deadline) if deadline <= now => {
+                    return Err(SidecarError::Upstream(tonic::Status::deadline_exceeded("deadline passed before a worker answered")))
+                }
+                Some(deadline) => Some(deadline - now),
+                None => None,
+            };
+            let guard = worker.begin();
+            match self.call(&worker, request.clone(), remaining).await {
+                Ok((first, rest)) => {
+                    worker.breaker.record_success();
+                    let first_at = first.as_ref().map(|_| Instant::now());
+                    return Ok(Upstream { worker, route, started, first_at, first, rest, status: "CANCELLED", _guard: guard, _permit: permit });
+                }
+                Err(status) => {
+                    let code = upstream_code(&status);
+                    if is_worker_failure(code) {
+                        worker.breaker.record_failure(Instant::now());
+                    } else {
+                        worker.breaker.record_success();
+                    }
+                    drop(guard);
+                    let error = SidecarError::Upstream(status);
+                    if !retryable(code) || attempt == self.max_retries || !self.budget.try_spend() {
+                        record_end(route, &worker.name, code_name(error.code()), started, None);
+                        return Err(error);
+                    }
+                    metrics::counter!("cyllm_sidecar_retries_total", "route" => route.as_str(), "code" => code_name(code)).increment(1);
+                    tracing::info!(worker = %worker.name, code = code_name(code), "retrying on another worker");
+                    last_error = Some(error);
+                }
+            }
+        }
+        let error = last_error.unwrap_or_else(|| SidecarError::NoWorker(request.model.clone()));
+        record_end(route, "none", code_name(error.code()), started, None);
+        Err(error)
+    }
+
+    /// The checks made before any worker is chosen; the permit holds a stream slot.
+    fn admit(&self, request: &PredictRequest) -> Result<OwnedSemaphorePermit, SidecarError> {
+        if self.is_shutting_down() {
+            return Err(SidecarError::ShuttingDown);
+        }
+        let permit = self
+            .streams
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| SidecarError::Overloaded("too many open streams on this sidecar".into()))?;
+        if !self.pool.knows(&request.model) && !self.pool.models().is_empty() {
+            return Err(SidecarError::ModelNotFound(request.model.clone()));
+        }
+        Ok(permit)
+    }
+
+    async fn call(
+        &self,
+        worker: &Worker,
+        request: PredictRequest,
+        timeout: Option<Duration>,
+    ) -> Result<(Option<PredictResponse>, Streaming<PredictResponse>), tonic::Status> {
+        let mut client = InferenceServiceClient::new(worker.channel.clone()).max_decoding_message_size(self.max_decoding_bytes);
+        let mut request = tonic::Request::new(request);
+        if let Some(timeout) = timeout {
+            request.set_timeout(timeout);
+        }
+        let mut stream = client.stream_predict(request).await?.into_inner();
+        let first = stream.message().await?;
+        Ok((first, stream))
+    }
+}
+
+/// The prompt text (or the chat's text, or the token ids) that prefix affinity hashes.
+fn affinity_key(request: &PredictRequest, bytes: usize) -> u64 {
+    match &request.input {
+        Some(Input::Prompt(prompt)) => prefix_key(prompt, bytes),
+        Some(Input::Chat(chat)) => {
+            let text: String = chat.messages.iter().map(|m| format!("{}\n{}\n", m.role, m.content)).collect();
+            prefix_key(&text, bytes)
+        }
+        Some(Input::TokenIds(ids)) => {
+            let text: String = ids.ids.iter().map(|i| format!("{i},")).collect();
+            prefix_key(&text, bytes)
+        }
+        None => 0,
+    }
+}
+
+/// An open upstream stream. Dropping it cancels the worker's call (the client left) and gives back
+/// the stream slot and the worker's outstanding count.
+pub struct Upstream {
+    pub worker: Arc<Worker>,
+    route: Route,
+    started: Instant,
+    first_at: Option<Instant>,
+    first: Option<PredictResponse>,
+    rest: Streaming<PredictResponse>,
+    status: &'static str,
+    _guard: OutstandingGuard,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl Upstream {
+    /// The next message; None once the worker ended the stream with OK.
+    pub async fn next(&mut self) -> Option<Result<PredictResponse, SidecarError>> {
+        if let Some(first) = self.first.take() {
+            return Some(Ok(first));
+        }
+        match self.rest.message().await {
+            Ok(Some(message)) => {
+                self.first_at.get_or_insert_with(Instant::now);
+                Some(Ok(message))
+            }
+            Ok(None) => {
+                self.status = "OK";
+                None
+            }
+            Err(status) => {
+                let error = SidecarError::Upstream(status);
+                self.status = code_name(error.code());
+                Some(Err(error))
+            }
+        }
+    }
+}
+
+impl Drop for Upstream {
+    fn drop(&mut self) {
+        record_end(self.route, &self.worker.name, self.status, self.started, self.first_at);
+    }
+}
+
+fn record_end(route: Route, worker: &str, status: &'static str, started: Instant, first_at: Option<Instant>) {
+    let route = route.as_str();
+    metrics::counter!("cyllm_sidecar_requests_total", "route" => route, "status" => status, "worker" => worker.to_string())
+        .increment(1);
+    metrics::histogram!("cyllm_sidecar_upstream_latency_seconds", "route" => route).record(started.elapsed().as_secs_f64());
+    if let Some(first_at) = first_at {
+        metrics::histogram!("cyllm_sidecar_time_to_first_token_seconds", "route" => route)
+            .record((first_at - started).as_secs_f64());
+    }
+}
+
+pub fn code_name(code: tonic::Code) -> &'static str {
+    use tonic::Code::*;
+    match code {
+        Ok => "OK",
+        Cancelled => "CANCELLED",
+        Unknown => "UNKNOWN",
+        InvalidArgument => "INVALID_ARGUMENT",
+        DeadlineExceeded => "DEADLINE_EXCEEDED",
+        NotFound => "NOT_FOUND",
+        AlreadyExists => "ALREADY_EXISTS",
+        PermissionDenied => "PERMISSION_DENIED",
+        ResourceExhausted => "RESOURCE_EXHAUSTED",
+        FailedPrecondition => "FAILED_PRECONDITION",
+        Aborted => "ABORTED",
+        OutOfRange => "OUT_OF_RANGE",
+        Unimplemented => "UNIMPLEMENTED",
+        Internal => "INTERNAL",
+        Unavailable => "UNAVAILABLE",
+        DataLoss => "DATA_LOSS",
+        Unauthenticated => "UNAUTHENTICATED",
+    }
+}

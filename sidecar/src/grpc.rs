@@ -1,0 +1,101 @@
+//! InferenceService for the gateway: the same contract as the worker's, forwarded to a worker.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::Stream;
+use tonic::metadata::MetadataMap;
+use tonic::{Request, Response, Status};
+
+use crate::auth::ApiKeys;
+use crate::gateway::{Gateway, Route};
+use crate::proto::inference_service_server::InferenceService;
+use crate::proto::{PredictRequest, PredictResponse};
+
+pub struct InferenceProxy {
+    pub gateway: Arc<Gateway>,
+}
+
+type ResponseStream = Pin<Box<dyn Stream<Item = Result<PredictResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl InferenceService for InferenceProxy {
+    type StreamPredictStream = ResponseStream;
+
+    async fn stream_predict(&self, request: Request<PredictRequest>) -> Result<Response<ResponseStream>, Status> {
+        let timeout = grpc_timeout(request.metadata());
+        let mut upstream = self.gateway.open(request.into_inner(), timeout, Route::Grpc).await?;
+        // Dropped when the client leaves: that drops `upstream`, which cancels the worker's call.
+        let stream = async_stream::stream! {
+            while let Some(item) = upstream.next().await {
+                match item {
+                    Ok(message) => yield Ok(message),
+                    Err(error) => {
+                        yield Err(Status::from(error));
+                        break;
+                    }
+                }
+            }
+        };
+        Ok(Response::new(Box::pin(stream)))
+    }
+}
+
+/// The caller's deadline from the grpc-timeout header ("100m", "5S", ...), to pass on to the worker.
+pub fn grpc_timeout(metadata: &MetadataMap) -> Option<Duration> {
+    let value = metadata.get("grpc-timeout")?.to_str().ok()?;
+    let (digits, unit) = value.split_at(value.len().checked_sub(1)?);
+    let amount: u64 = digits.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(amount * 3600),
+        "M" => Duration::from_secs(amount * 60),
+        "S" => Duration::from_secs(amount),
+        "m" => Duration::from_millis(amount),
+        "u" => Duration::from_micros(amount),
+        "n" => Duration::from_nanos(amount),
+        _ => return None,
+    })
+}
+
+/// Rejects calls without a valid key (authorization: Bearer KEY, or x-api-key: KEY).
+pub fn auth_interceptor(keys: ApiKeys) -> impl FnMut(Request<()>) -> Result<Request<()>, Status> + Clone {
+    move |request: Request<()>| {
+        let metadata = request.metadata();
+        let authorization = metadata.get("authorization").map(|v| v.as_bytes());
+        let api_key = metadata.get("x-api-key").map(|v| v.as_bytes());
+        if keys.check_header(authorization, api_key) {
+            Ok(request)
+        } else {
+            Err(Status::unauthenticated("missing or invalid API key"))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_grpc_timeouts() {
+        let mut metadata = MetadataMap::new();
+        assert_eq!(grpc_timeout(&metadata), None);
+        for (value, expected) in [("250m", Duration::from_millis(250)), ("3S", Duration::from_secs(3)), ("1M", Duration::from_secs(60))] {
+            metadata.insert("grpc-timeout", value.parse().unwrap());
+            assert_eq!(grpc_timeout(&metadata), Some(expected));
+        }
+        metadata.insert("grpc-timeout", "12x".parse().unwrap());
+        assert_eq!(grpc_timeout(&metadata), None);
+    }
+
+    #[test]
+    fn interceptor_requires_a_key_when_keys_are_set() {
+        let mut check = auth_interceptor(ApiKeys::new(vec!["sk-1".into()]));
+        assert_eq!(check(Request::new(())).unwrap_err().code(), tonic::Code::Unauthenticated);
+        let mut request = Request::new(());
+        request.metadata_mut().insert("authorization", "Bearer sk-1".parse().unwrap());
+        assert!(check(request).is_ok());
+        let mut open = auth_interceptor(ApiKeys::default());
+        assert!(open(Request::new(())).is_ok());
+    }
+}

@@ -1,0 +1,277 @@
+//! The HTTP side: OpenAI-compatible /v1 routes (streaming as SSE), /healthz and /readyz.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::{header, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::de::DeserializeOwned;
+use serde_json::{json, Value};
+
+use crate::auth::ApiKeys;
+use crate::error::{openai_error_body, SidecarError};
+use crate::gateway::{Gateway, Route};
+use crate::openai::{finish_reason, usage, ChatRequest, CompletionRequest};
+use crate::proto::PredictRequest;
+
+pub struct HttpState {
+    pub gateway: Arc<Gateway>,
+    pub keys: ApiKeys,
+    pub timeout: Option<Duration>,
+    pub max_body_bytes: usize,
+}
+
+pub fn app(state: Arc<HttpState>) -> Router {
+    let api = Router::new()
+        .route("/v1/models", get(models))
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route_layer(middleware::from_fn_with_state(state.clone(), require_key));
+    Router::new()
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(readyz))
+        .merge(api)
+        .layer(DefaultBodyLimit::max(state.max_body_bytes))
+        .with_state(state)
+}
+
+async fn require_key(State(state): State<Arc<HttpState>>, request: Request, next: Next) -> Response {
+    let headers = request.headers();
+    let authorization = headers.get(header::AUTHORIZATION).map(|v| v.as_bytes());
+    let api_key = headers.get("x-api-key").map(|v| v.as_bytes());
+    if state.keys.check_header(authorization, api_key) {
+        next.run(request).await
+    } else {
+        SidecarError::Unauthenticated.into_response()
+    }
+}
+
+async fn readyz(State(state): State<Arc<HttpState>>) -> Response {
+    let pool = &state.gateway.pool;
+    let workers: Vec<Value> = pool
+        .workers
+        .iter()
+        .map(|w| json!({"name": w.name, "socket": w.socket.display().to_string(), "ready": w.is_ready(), "models": w.models()}))
+        .collect();
+    let ready = pool.is_ready() && !state.gateway.is_shutting_down();
+    let status = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    (status, Json(json!({"ready": ready, "shutting_down": state.gateway.is_shutting_down(), "workers": workers}))).into_response()
+}
+
+async fn models(State(state): State<Arc<HttpState>>) -> Json<Value> {
+    let data: Vec<Value> = state
+        .gateway
+        .pool
+        .models()
+        .into_iter()
+        .map(|id| json!({"id": id, "object": "model", "created": 0, "owned_by": "cy-llm"}))
+        .collect();
+    Json(json!({"object": "list", "data": data}))
+}
+
+fn parse<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>, limit: usize) -> Result<T, SidecarError> {
+    let body = body.map_err(|rejection| {
+        if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            SidecarError::TooLarge(limit)
+        } else {
+            SidecarError::InvalidRequest(rejection.body_text())
+        }
+    })?;
+    serde_json::from_slice(&body).map_err(|e| SidecarError::InvalidRequest(format!("invalid JSON body: {e}")))
+}
+
+async fn completions(State(state): State<Arc<HttpState>>, body: Result<Bytes, BytesRejection>) -> Response {
+    let id = format!("cmpl-{}", uuid::Uuid::new_v4().simple());
+    let request: CompletionRequest = match parse(body, state.max_body_bytes) {
+        Ok(request) => request,
+        Err(error) => return error.into_response(),
+    };
+    let (stream, include_usage) = (request.sampling.stream, request.sampling.include_usage());
+    match request.into_proto(&id) {
+        Ok(proto) => respond(state, proto, Route::Completions, id, stream, include_usage).await,
+        Err(error) => error.into_response(),
+    }
+}
+
+async fn chat_completions(State(state): State<Arc<HttpState>>, body: Result<Bytes, BytesRejection>) -> Response {
+    let id = format!("chatcmpl-{}", uuid::Uuid::new_v4().simple());
+    let request: ChatRequest = match parse(body, state.max_body_bytes) {
+        Ok(request) => request,
+        Err(error) => return error.into_response(),
+    };
+    let (stream, include_usage) = (request.sampling.stream, request.sampling.include_usage());
+    match request.into_proto(&id) {
+        Ok(proto) => respond(state, proto, Route::ChatCompletions, id, stream, include_usage).await,
+        Err(error) => error.into_response(),
+    }
+}
+
+/// One choice's payload: chat has `message`/`delta`, completions have `text`.
+fn choice(route: Route, text: &str, finish: Option<&str>, streaming: bool, first: bool) -> Value {
+    match (route, streaming) {
+        (Route::ChatCompletions, true) => {
+            let delta = if first { json!({"role": "assistant", "content": text}) } else { json!({"content": text}) };
+            json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
+        }
+        (Route::ChatCompletions, false) => {
+            json!({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": finish})
+        }
+        _ => json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish}),
+    }
+}
+
+fn object(route: Route, streaming: bool) -> &'static str {
+    match (route, streaming) {
+        (Route::ChatCompletions, true) => "chat.completion.chunk",
+        (Route::ChatCompletions, false) => "chat.completion",
+        _ => "text_completion",
+    }
+}
+
+async fn respond(
+    state: Arc<HttpState>,
+    proto: PredictRequest,
+    route: Route,
+    id: String,
+    streaming: bool,
+    include_usage: bool,
+) -> Response {
+    let created = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    let model = if proto.model.is_empty() {
+        state.gateway.pool.models().into_iter().next().unwrap_or_default()
+    } else {
+        proto.model.clone()
+    };
+    let mut upstream = match state.gateway.open(proto, state.timeout, route).await {
+        Ok(upstream) => upstream,
+        Err(error) => return error.into_response(),
+    };
+    if !streaming {
+        let (mut text, mut last) = (String::new(), None);
+        while let Some(item) = upstream.next().await {
+            match item {
+                Ok(message) => {
+                    text.push_str(&message.text);
+                    last = Some(message);
+                }
+                Err(error) => return error.into_response(),
+            }
+        }
+        let last = last.unwrap_or_default();
+        return Json(json!({
+            "id": id, "object": object(route, false), "created": created, "model": model,
+            "choices": [choice(route, &text, finish_reason(&last), false, true)],
+            "usage": usage(&last),
+        }))
+        .into_response();
+    }
+    // Dropped when the client disconnects, which drops `upstream` and cancels the worker's call.
+    let events = async_stream::stream! {
+        let mut first = true;
+        while let Some(item) = upstream.next().await {
+            match item {
+                Ok(message) => {
+                    let finish = finish_reason(&message);
+                    if !message.text.is_empty() || finish.is_some() || first {
+                        let chunk = json!({"id": id, "object": object(route, true), "created": created, "model": model,
+                                           "choices": [choice(route, &message.text, finish, true, first)]});
+                        first = false;
+                        yield Ok::<_, Infallible>(Event::default().data(chunk.to_string()));
+                    }
+                    if finish.is_some() && include_usage {
+                        let chunk = json!({"id": id, "object": object(route, true), "created": created, "model": model,
+                                           "choices": [], "usage": usage(&message)});
+                        yield Ok(Event::default().data(chunk.to_string()));
+                    }
+                }
+                Err(error) => {
+                    yield Ok(Event::default().data(openai_error_body(error.http_status(), &error.to_string()).to_string()));
+                    return;
+                }
+            }
+        }
+        yield Ok(Event::default().data("[DONE]"));
+    };
+    Sse::new(events).keep_alive(KeepAlive::default()).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Args;
+    use crate::pool::{Pool, Worker};
+    use axum::body::Body;
+    use clap::Parser;
+    use http_body_util::BodyExt;
+    use tower::ServiceExt;
+
+    fn state(keys: Vec<String>, ready: bool) -> Arc<HttpState> {
+        let args = Args::parse_from(["cy-llm-sidecar", "--worker", "unix:///tmp/w0.sock", "--max-request-bytes", "1024"]);
+        let pool = Arc::new(Pool { workers: vec![Arc::new(Worker::fake("w0", &["smol"], ready))] });
+        Arc::new(HttpState { gateway: Arc::new(Gateway::new(pool, &args)), keys: ApiKeys::new(keys), timeout: None, max_body_bytes: 1024 })
+    }
+
+    async fn call(app: Router, method: &str, uri: &str, body: &str, key: Option<&str>) -> (StatusCode, Value) {
+        let mut request = axum::http::Request::builder().method(method).uri(uri).header("content-type", "application/json");
+        if let Some(key) = key {
+            request = request.header("authorization", format!("Bearer {key}"));
+        }
+        let response = app.oneshot(request.body(Body::from(body.to_string())).unwrap()).await.unwrap();
+        let status = response.status();
+        let bytes = response.into_body().collect().await.unwrap().to_bytes();
+        (status, serde_json::from_slice(&bytes).unwrap_or(Value::String(String::from_utf8_lossy(&bytes).into())))
+    }
+
+    #[tokio::test]
+    async fn probes_and_models() {
+        let (status, body) = call(app(state(vec![], false)), "GET", "/healthz", "", None).await;
+        assert_eq!((status, body), (StatusCode::OK, Value::String("ok".into())));
+        let (status, body) = call(app(state(vec![], false)), "GET", "/readyz", "", None).await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(body["workers"][0]["name"], "w0");
+        assert_eq!(call(app(state(vec![], true)), "GET", "/readyz", "", None).await.0, StatusCode::OK);
+        let (status, body) = call(app(state(vec![], true)), "GET", "/v1/models", "", None).await;
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(body["data"][0]["id"], "smol");
+    }
+
+    #[tokio::test]
+    async fn errors_in_openai_shape() {
+        let cases = [
+            ("/v1/completions", "{not json", StatusCode::BAD_REQUEST),
+            ("/v1/completions", r#"{"prompt": "x", "n": 3}"#, StatusCode::BAD_REQUEST),
+            ("/v1/chat/completions", r#"{"model": "llama-9000", "messages": [{"role": "user", "content": "hi"}]}"#, StatusCode::NOT_FOUND),
+            ("/v1/chat/completions", r#"{"model": "smol", "messages": [{"role": "user", "content": "hi"}]}"#, StatusCode::SERVICE_UNAVAILABLE),
+        ];
+        for (uri, body, expected) in cases {
+            let (status, json) = call(app(state(vec![], false)), "POST", uri, body, None).await;
+            assert_eq!(status, expected, "{uri} {body}");
+            assert!(json["error"]["message"].is_string(), "{json}");
+            assert_eq!(json["error"]["code"], expected.as_u16());
+        }
+        let big = format!(r#"{{"prompt": "{}"}}"#, "x".repeat(4096));
+        let (status, json) = call(app(state(vec![], true)), "POST", "/v1/completions", &big, None).await;
+        assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE);
+        assert_eq!(json["error"]["type"], "invalid_request_error");
+    }
+
+    #[tokio::test]
+    async fn keys_guard_v1_but_not_the_probes() {
+        let keys = vec!["sk-good".to_string()];
+        let (status, json) = call(app(state(keys.clone(), true)), "GET", "/v1/models", "", Some("sk-bad")).await;
+        assert_eq!(status, StatusCode::UNAUTHORIZED);
+        assert_eq!(json["error"]["type"], "authentication_error");
+        assert_eq!(call(app(state(keys.clone(), true)), "GET", "/v1/models", "", None).await.0, StatusCode::UNAUTHORIZED);
+        assert_eq!(call(app(state(keys.clone(), true)), "GET", "/v1/models", "", Some("sk-good")).await.0, StatusCode::OK);
+        assert_eq!(call(app(state(keys.clone(), true)), "GET", "/healthz", "", None).await.0, StatusCode::OK);
+        assert_eq!(call(app(state(keys, true)), "GET", "/readyz", "", None).await.0, StatusCode::OK);
+    }
+}

@@ -1,0 +1,124 @@
+//! cy-llm-sidecar: faces the gateway (gRPC, OpenAI HTTP, /metrics) and routes to workers over Unix sockets.
+
+mod auth;
+mod breaker;
+mod config;
+mod error;
+mod gateway;
+mod grpc;
+mod http;
+mod metrics;
+mod openai;
+mod pool;
+mod proto;
+mod routing;
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Parser;
+use tokio::sync::watch;
+use tonic::service::interceptor::InterceptedService;
+use tonic_health::ServingStatus;
+
+use crate::auth::ApiKeys;
+use crate::config::Args;
+use crate::gateway::Gateway;
+use crate::grpc::{auth_interceptor, InferenceProxy};
+use crate::pool::Pool;
+use crate::proto::inference_service_server::InferenceServiceServer;
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    tracing_subscriber::fmt()
+        .json()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_new(&args.log)?)
+        .with_writer(std::io::stderr)
+        .init();
+    let keys = ApiKeys::new(args.load_api_keys()?);
+    let handle = metrics::install()?;
+    let pool = Arc::new(Pool::new(&args.workers, args.breaker_failures, Duration::from_secs_f64(args.breaker_cooldown_s))?);
+    pool.spawn_watchers(Duration::from_secs_f64(args.load_poll_s));
+    let gateway = Arc::new(Gateway::new(pool.clone(), &args));
+    let (stop_tx, stop_rx) = watch::channel(false);
+
+    let (health, health_service) = tonic_health::server::health_reporter();
+    tokio::spawn(report_health(health, gateway.clone(), stop_rx.clone()));
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()?;
+    let inference = InferenceServiceServer::new(InferenceProxy { gateway: gateway.clone() })
+        .max_decoding_message_size(args.max_request_bytes);
+    let grpc = tonic::transport::Server::builder()
+        .add_service(health_service)
+        .add_service(reflection)
+        .add_service(InterceptedService::new(inference, auth_interceptor(keys.clone())))
+        .serve_with_shutdown(args.grpc_addr, stopped(stop_rx.clone()));
+
+    let http_state = Arc::new(http::HttpState {
+        gateway: gateway.clone(),
+        keys,
+        timeout: args.http_timeout(),
+        max_body_bytes: args.max_request_bytes,
+    });
+    let http_listener = tokio::net::TcpListener::bind(args.http_addr).await?;
+    let http = axum::serve(http_listener, http::app(http_state)).with_graceful_shutdown(stopped(stop_rx.clone()));
+    let metrics_listener = tokio::net::TcpListener::bind(args.metrics_addr).await?;
+    let metrics_app = metrics::app(metrics::MetricsState { handle, gateway: gateway.clone() });
+    let metrics_server = axum::serve(metrics_listener, metrics_app).with_graceful_shutdown(stopped(stop_rx.clone()));
+    tracing::info!(grpc = %args.grpc_addr, http = %args.http_addr, metrics = %args.metrics_addr,
+                   workers = ?args.workers, auth = !args.api_keys.is_empty() || args.api_keys_file.is_some(), "listening");
+
+    let servers = async { tokio::try_join!(async { grpc.await.map_err(anyhow::Error::from) }, async { http.await.map_err(anyhow::Error::from) }, async { metrics_server.await.map_err(anyhow::Error::from) }) };
+    tokio::pin!(servers);
+    tokio::select! {
+        result = &mut servers => { result?; return Ok(()); }
+        _ = shutdown_signal() => {}
+    }
+    // Not ready at once; the listeners stop accepting; open streams get the grace period.
+    gateway.shutting_down.store(true, Ordering::Release);
+    let _ = stop_tx.send(true);
+    let grace = Duration::from_secs_f64(args.shutdown_grace_s);
+    tracing::info!(grace_s = args.shutdown_grace_s, "shutting down");
+    match tokio::time::timeout(grace, servers).await {
+        Ok(result) => result.map(|_| ()),
+        Err(_) => {
+            tracing::warn!("grace period over; closing open streams");
+            Ok(())
+        }
+    }
+}
+
+async fn stopped(mut stop: watch::Receiver<bool>) {
+    let _ = stop.wait_for(|stopped| *stopped).await;
+}
+
+async fn shutdown_signal() {
+    let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
+    tokio::select! {
+        _ = terminate.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+}
+
+/// The sidecar's own grpc.health.v1: SERVING while every known model has a ready worker.
+async fn report_health(health: tonic_health::server::HealthReporter, gateway: Arc<Gateway>, mut stop: watch::Receiver<bool>) {
+    let mut ticker = tokio::time::interval(Duration::from_millis(250));
+    let mut last = None;
+    loop {
+        tokio::select! {
+            _ = ticker.tick() => {}
+            _ = stop.changed() => {}
+        }
+        let ready = gateway.pool.is_ready() && !gateway.is_shutting_down();
+        if last != Some(ready) {
+            let status = if ready { ServingStatus::Serving } else { ServingStatus::NotServing };
+            health.set_service_status(proto::INFERENCE_SERVICE, status).await;
+            health.set_service_status("", status).await;
+            last = Some(ready);
+        }
+    }
+}
