@@ -213,3 +213,14 @@ async def test_stop_token_id_ends_with_stop():
             max_tokens=10, return_token_ids=True, sampling={"seed": 1, "stop_token_ids": [ids[4]]}))
         assert [t for r in second for t in r.token_ids] == ids[:5]
         assert second[-1].finish_reason == pb.FINISH_REASON_STOP
+
+
+async def test_lockstep_mode_gives_every_stream_one_token_per_step():
+    async with running_worker(**{"engine.args.step_ms": "20"}) as (_, client):
+        started = asyncio.get_running_loop().time()
+        results = await asyncio.gather(*(client.collect(synthetic_request(max_tokens=5, return_token_ids=True))
+                                         for _ in range(3)))
+        elapsed = asyncio.get_running_loop().time() - started
+        assert all(sum(len(r.token_ids) for r in responses) == 5 for responses in results)
+        assert all(len(r.token_ids) <= 1 for responses in results for r in responses)
+        assert 0.09 < elapsed < 1.0  # five 20 ms steps

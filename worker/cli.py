@@ -75,6 +75,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-tokens", type=int, default=128)
     bench.add_argument("--prompt", default=None)
     bench.add_argument("--json", dest="json_out")
+    bench.add_argument("--target", help="a gRPC host:port (e.g. the sidecar) instead of the worker's socket")
     bench.add_argument("--in-process", action="store_true",
                        help="build the configured engine here and drive it without gRPC")
     return parser
@@ -148,7 +149,8 @@ def _bench(args: argparse.Namespace, config: Config) -> int:
     from worker.telemetry import configure_logging
 
     configure_logging(config.server.log_level)  # logs to stderr; stdout carries the JSON result
-    result = bench(None if args.in_process else config.server.socket, config if args.in_process else None,
+    target = args.target or f"unix:{config.server.socket}"
+    result = bench(None if args.in_process else target, config if args.in_process else None,
                    args.streams, args.max_tokens, args.prompt or DEFAULT_PROMPT, args.json_out)
     print(json.dumps(result, indent=2))
     return 1 if result["errors"] else 0

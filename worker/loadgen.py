@@ -29,8 +29,9 @@ class StreamTrace:
     error: str | None = None
 
 
-async def run_over_socket(socket_path: str, streams: int, max_tokens: int, prompt: str) -> tuple[list[StreamTrace], float]:
-    async with grpc.aio.insecure_channel(f"unix:{socket_path}") as channel:
+async def run_over_grpc(target: str, streams: int, max_tokens: int, prompt: str) -> tuple[list[StreamTrace], float]:
+    """`target` is a gRPC address: unix:/path/to.sock for a worker, host:port for the sidecar."""
+    async with grpc.aio.insecure_channel(target) as channel:
         # Connect first: a gateway or sidecar keeps its connection, so setup is no part of TTFT.
         await asyncio.wait_for(channel.channel_ready(), 30)
         stub = pb_grpc.InferenceServiceStub(channel)
@@ -122,14 +123,14 @@ def summarize(traces: list[StreamTrace], wall_s: float) -> dict:
     }
 
 
-def bench(socket_path: str | None, config: Config | None, streams: int, max_tokens: int,
+def bench(target: str | None, config: Config | None, streams: int, max_tokens: int,
           prompt: str = DEFAULT_PROMPT, json_out: str | None = None) -> dict:
     if config is not None:
         traces, wall = _run(run_in_process(config, streams, max_tokens, prompt))
         mode = "in_process"
     else:
-        traces, wall = _run(run_over_socket(socket_path, streams, max_tokens, prompt))
-        mode = "grpc_uds"
+        traces, wall = _run(run_over_grpc(target, streams, max_tokens, prompt))
+        mode = "grpc_uds" if target.startswith("unix:") else "grpc_tcp"
     result = {"mode": mode, "max_tokens": max_tokens, **summarize(traces, wall)}
     if json_out:
         Path(json_out).parent.mkdir(parents=True, exist_ok=True)

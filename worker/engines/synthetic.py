@@ -27,6 +27,9 @@ class SyntheticArgs:
     vocab_size: int = 32000
     prefill_tokens_per_s: float = 0.0
     """When set, the first token of a request waits prompt_tokens / this."""
+    step_ms: float = 0.0
+    """When set, a batched decode: every step_ms each running request gets exactly one token
+    (tokens_per_s is then unused). Requests admitted in the same step stay in lockstep."""
 
     @classmethod
     def from_mapping(cls, args: dict) -> SyntheticArgs:
@@ -38,6 +41,8 @@ class SyntheticArgs:
             parsed = cls(**{k: type(getattr(cls, k))(v) for k, v in args.items()})
         except (TypeError, ValueError) as exc:
             raise ConfigError("engine.args", f"synthetic engine: {exc}") from None
+        if parsed.step_ms < 0:
+            raise ConfigError("engine.args.step_ms", "must be 0 (off) or positive")
         if parsed.tokens_per_s <= 0:
             raise ConfigError("engine.args.tokens_per_s", "must be positive")
         if parsed.vocab_size < 30 or parsed.max_model_len < 2 or parsed.budget_tokens < 1:
@@ -118,6 +123,27 @@ class SyntheticEngine(BaseEngine):
             stream.put(RequestOutput(finish_reason="aborted"))
 
     async def _loop(self) -> None:
+        if self.args.step_ms:
+            await self._lockstep_loop()
+        else:
+            await self._rate_loop()
+
+    async def _lockstep_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        step_s = self.args.step_ms / 1000
+        next_step = loop.time()
+        while True:
+            if not self._running:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                next_step = loop.time()
+            next_step += step_s
+            await asyncio.sleep(max(0.0, next_step - loop.time()))
+            now = loop.time()
+            for sequence in [s for s in self._running.values() if s.ready_at <= now]:
+                self._emit(sequence, 1)
+
+    async def _rate_loop(self) -> None:
         loop = asyncio.get_running_loop()
         credit = 0.0
         last = loop.time()

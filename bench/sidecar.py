@@ -1,0 +1,202 @@
+"""Through the sidecar vs straight to the worker's socket, in one run.
+
+1. tokens/s ratio and TTFT at 1, 64 and 256 streams on the synthetic engine (100k tokens/s);
+2. added latency per streamed message: a direct stream and a sidecar stream run side by side on a worker in lockstep (every running request gets one
+   token per 10 ms step), so token k of both is made in the same step; the arrival difference, less
+   whole steps of admission offset, is what the sidecar adds to each message;
+3. added TTFT: sequential one-token requests, each path on a warm connection.
+
+Writes bench/results/sidecar.json and sidecar.png. Needs `cargo build --release` of sidecar/.
+
+    python bench/sidecar.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import grpc  # noqa: E402
+
+from bench.transport import SYNTHETIC, bench_once, cy_llm, wait_ready  # noqa: E402
+from worker.gen.cyllm.inference.v1 import inference_pb2 as pb  # noqa: E402
+from worker.gen.cyllm.inference.v1 import inference_pb2_grpc as pb_grpc  # noqa: E402
+from worker.loadgen import percentile  # noqa: E402
+
+RESULTS = REPO / "bench" / "results"
+STEP_MS = 10.0
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def sidecar_binary() -> Path:
+    target = Path(os.environ.get("CARGO_TARGET_DIR", Path.home() / ".cache" / "cy-llm" / "cargo-target"))
+    subprocess.run(["cargo", "build", "--release", "--quiet"], cwd=REPO / "sidecar", check=True,
+                   env={**os.environ, "CARGO_TARGET_DIR": str(target)})
+    return target / "release" / "cy-llm-sidecar"
+
+
+class Stack:
+    """A worker and a sidecar in front of it."""
+
+    def __init__(self, engine_args: list[str]):
+        self.socket = f"{tempfile.mkdtemp(prefix='cyllm-bench-', dir='/tmp')}/w.sock"
+        self.worker = subprocess.Popen(cy_llm("serve", "--socket", self.socket, "--set", "server.log_level=warning",
+                                              *engine_args), cwd=REPO)
+        wait_ready(self.socket, self.worker)
+        self.port = free_port()
+        self.sidecar = subprocess.Popen([str(sidecar_binary()), f"--worker=unix://{self.socket}",
+                                         "--grpc-addr", f"127.0.0.1:{self.port}", "--http-addr", f"127.0.0.1:{free_port()}",
+                                         "--metrics-addr", f"127.0.0.1:{free_port()}", "--log", "warn"])
+        with grpc.insecure_channel(f"127.0.0.1:{self.port}") as channel:
+            stub = pb_grpc.InferenceServiceStub(channel)
+            for _ in range(200):
+                try:
+                    list(stub.StreamPredict(pb.PredictRequest(prompt="x", sampling=pb.SamplingParams(max_tokens=1)), timeout=2))
+                    break
+                except grpc.RpcError:
+                    time.sleep(0.05)
+
+    def stop(self) -> None:
+        for proc in (self.sidecar, self.worker):
+            proc.terminate()
+            proc.wait(30)
+
+
+async def paired_stream(direct: str, via: str, tokens: int, index: int) -> list[float]:
+    """Per-token arrival differences (sidecar - direct) in ms for one pair of streams made in lockstep.
+
+    One client reads both, so the sidecar's message can wait while the direct one is handled: the
+    figure leans against the sidecar, never for it.
+    """
+    async with grpc.aio.insecure_channel(direct) as a, grpc.aio.insecure_channel(via) as b:
+        await a.channel_ready()
+        await b.channel_ready()
+
+        async def arrivals(channel):
+            request = pb.PredictRequest(prompt=f"pair {index}", return_token_ids=True,
+                                        sampling=pb.SamplingParams(max_tokens=tokens, ignore_eos=True))
+            times = []
+            async for response in pb_grpc.InferenceServiceStub(channel).StreamPredict(request):
+                times.extend([time.perf_counter()] * len(response.token_ids))
+            return times
+
+        direct_times, via_times = await asyncio.gather(arrivals(a), arrivals(b))
+    diffs = [v - d for d, v in zip(direct_times, via_times)]
+    # Both were made in the same steps up to a whole-step admission offset; remove it.
+    step = STEP_MS / 1000
+    offset = round(sorted(diffs)[len(diffs) // 2] / step) * step
+    return [(d - offset) * 1000 for d in diffs[1:]]
+
+
+def round_trips(target: str, count: int) -> list[float]:
+    with grpc.insecure_channel(target) as channel:
+        stub = pb_grpc.InferenceServiceStub(channel)
+        request = pb.PredictRequest(prompt="x", sampling=pb.SamplingParams(max_tokens=1))
+        list(stub.StreamPredict(request))
+        times = []
+        for _ in range(count):
+            started = time.perf_counter()
+            list(stub.StreamPredict(request))
+            times.append((time.perf_counter() - started) * 1000)
+    return times
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["throughput"]
+    fig, (tput, latency) = plt.subplots(1, 2, figsize=(12, 4.5))
+    x = range(len(rows))
+    width = 0.38
+    tput.bar([i - width / 2 for i in x], [r["direct"]["tokens_per_s"] for r in rows], width, label="direct (UDS)")
+    tput.bar([i + width / 2 for i in x], [r["sidecar"]["tokens_per_s"] for r in rows], width, label="through the sidecar")
+    for i, r in enumerate(rows):
+        tput.annotate(f"{r['tokens_per_s_ratio']:.3f}x", (i, r["direct"]["tokens_per_s"]), ha="center", va="bottom")
+    tput.set_xticks(list(x), [f"{r['streams']} streams" for r in rows])
+    tput.set_ylabel("tokens/s")
+    tput.set_title("Synthetic engine at 100k tokens/s")
+    tput.legend(loc="lower right")
+    added = result["per_message"]["added_ms_samples"]
+    latency.hist(added, bins=60, color="tab:orange")
+    latency.axvline(result["per_message"]["added_us_p50"] / 1000, color="k", linestyle="--",
+                    label=f"p50 {result['per_message']['added_us_p50']:.0f} us")
+    latency.set_xlabel("added latency per message, ms (paired lockstep streams)")
+    latency.set_title("What the sidecar adds to each streamed message")
+    latency.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    result: dict = {"benchmark": "sidecar", "machine": f"{os.cpu_count()} cores", "when": time.strftime("%Y-%m-%d %H:%M")}
+    stack = Stack(SYNTHETIC)
+    try:
+        rows = []
+        for streams in (1, 64, 256):
+            common = ["--streams", str(streams), "--max-tokens", str(200_000 // streams)]
+            direct = bench_once(["--socket", stack.socket, *common])
+            via = bench_once(["--target", f"127.0.0.1:{stack.port}", *common])
+            rows.append({"streams": streams, "direct": direct, "sidecar": via,
+                         "tokens_per_s_ratio": via["tokens_per_s"] / direct["tokens_per_s"],
+                         "ttft_p50_added_ms": via["ttft_ms_p50"] - direct["ttft_ms_p50"]})
+            print(f"{streams:4d} streams: direct {direct['tokens_per_s']:8.0f} tok/s, sidecar {via['tokens_per_s']:8.0f} "
+                  f"tok/s, ratio {rows[-1]['tokens_per_s_ratio']:.3f}; TTFT p50 {direct['ttft_ms_p50']:.1f} -> "
+                  f"{via['ttft_ms_p50']:.1f} ms", flush=True)
+        result["throughput"] = rows
+        direct_rtt, via_rtt = round_trips(f"unix:{stack.socket}", 300), round_trips(f"127.0.0.1:{stack.port}", 300)
+        result["round_trip"] = {
+            "direct_ms_p50": percentile(direct_rtt, 50), "sidecar_ms_p50": percentile(via_rtt, 50),
+            "direct_ms_p99": percentile(direct_rtt, 99), "sidecar_ms_p99": percentile(via_rtt, 99),
+            "added_ttft_ms_p50": percentile(via_rtt, 50) - percentile(direct_rtt, 50),
+            "added_ttft_ms_p99": percentile(via_rtt, 99) - percentile(direct_rtt, 99),
+        }
+        print(f"one-token round trip p50: direct {result['round_trip']['direct_ms_p50']:.2f} ms, sidecar "
+              f"{result['round_trip']['sidecar_ms_p50']:.2f} ms", flush=True)
+    finally:
+        stack.stop()
+    lockstep = Stack(["--engine", "synthetic", "--set", f"engine.args.step_ms={STEP_MS}",
+                      "--set", "resources.max_concurrency=64"])
+    try:
+        runs = [asyncio.run(paired_stream(f"unix:{lockstep.socket}", f"127.0.0.1:{lockstep.port}", 150, i))
+                for i in range(8)]
+        added = [a for run in runs for a in run]
+    finally:
+        lockstep.stop()
+    result["per_message"] = {
+        "method": f"8 runs of one direct and one sidecar stream made in lockstep ({STEP_MS} ms steps), "
+                  "150 tokens each, read by one client",
+        "run_p50_us": [percentile(run, 50) * 1000 for run in runs],
+        "added_us_p50": percentile(added, 50) * 1000, "added_us_p99": percentile(added, 99) * 1000,
+        "added_ms_samples": [round(a, 4) for a in added],
+    }
+    print(f"added per message: p50 {result['per_message']['added_us_p50']:.0f} us, "
+          f"p99 {result['per_message']['added_us_p99']:.0f} us")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "sidecar.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, RESULTS / "sidecar.png")
+    print(f"wrote {RESULTS / 'sidecar.json'} and sidecar.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
