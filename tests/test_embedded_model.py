@@ -108,6 +108,8 @@ def test_bad_input_on_the_real_model(served, request_pb, code):
 
 def test_info_names_the_embedded_model(served):
     _, control, _ = served
+    load = control.GetLoad(pb.GetLoadRequest())
+    assert load.max_concurrency == 4, "the config's max_concurrency wins over the CPU preset's 8"
     info = control.GetInfo(pb.GetInfoRequest())
     assert info.engine == "transformers" and list(info.models) == ["smollm2-135m-instruct"]
     assert "cyllm_device_memory_used_bytes{device=\"cpu\"}" in control.Metrics(pb.MetricsRequest()).text

@@ -69,6 +69,19 @@ def _parser() -> argparse.ArgumentParser:
     prepare.add_argument("--cache-dir", help="default: models.cache_dir (env CYLLM_CACHE_DIR)")
     model_commands.add_parser("list", help="embedded models and whether they are prepared")
 
+    setup = commands.add_parser("setup", help="detect the hardware, resolve an engine stack, write the lock, install it")
+    setup.add_argument("--engine", help="transformers | native | vllm | trtllm (default: the hardware's default)")
+    setup.add_argument("--hardware", default="auto", help="auto, a vendor (cpu, nvidia, amd, ascend) or a profile name")
+    setup.add_argument("--registry", help="registry JSON (default: deploy/dependency_registry.json; env CYLLM_REGISTRY)")
+    setup.add_argument("--lock", default="requirements.lock", help="where to write the lock file")
+    setup.add_argument("--dry-run", action="store_true", help="resolve with pip but install nothing")
+    setup.add_argument("--yes", action="store_true", help="install without asking")
+
+    doctor = commands.add_parser("doctor", help="check the environment against the lock and the hardware")
+    _config_args(doctor)
+    doctor.add_argument("--lock", default="requirements.lock")
+    doctor.add_argument("--registry")
+
     bench = commands.add_parser("bench", help="concurrent streams: over the socket, or the engine in-process")
     _config_args(bench)
     bench.add_argument("--streams", type=int, default=1)
@@ -94,6 +107,15 @@ def main(argv: list[str] | None = None) -> int:
             return _models(args)
         if args.command == "bench":
             return _bench(args, _build_config(args))
+        if args.command == "setup":
+            from worker.deps.commands import setup
+
+            return setup(args.engine, args.hardware, args.registry or os.environ.get("CYLLM_REGISTRY"), args.lock,
+                         args.dry_run, args.yes, os.environ)
+        if args.command == "doctor":
+            from worker.deps.commands import doctor
+
+            return doctor(args.lock, args.registry or os.environ.get("CYLLM_REGISTRY"), _build_config(args))
     except ConfigError as exc:
         print(f"cy-llm: configuration error: {exc}", file=sys.stderr)
         return 2
@@ -108,6 +130,7 @@ def _serve(config: Config) -> int:
 
     configure_logging(config.server.log_level)
     try:
+        config = _with_preset(config)
         worker = Worker(config, create_engine)
     except ConfigError as exc:
         print(f"cy-llm: configuration error: {exc}", file=sys.stderr)
@@ -117,6 +140,32 @@ def _serve(config: Config) -> int:
     except SocketInUse as exc:
         print(f"cy-llm: {exc}", file=sys.stderr)
         return 1
+
+
+def _with_preset(config: Config) -> Config:
+    """Applies the registry's preset for the detected (hardware, engine) where the config is silent."""
+    from worker.deps.hardware import detect_hardware
+    from worker.deps.registry import WORKER_ENGINES, Registry, RegistryError, apply_preset
+    from worker.engines.factory import ENGINES
+    from worker.telemetry import get_logger
+
+    log = get_logger("cy-llm")
+    if not config.engine.use_preset or config.engine.name not in WORKER_ENGINES or config.engine.name not in ENGINES:
+        return config
+    try:
+        registry = Registry.load(os.environ.get("CYLLM_REGISTRY"))
+        profile = registry.match(detect_hardware())
+    except RegistryError as exc:
+        log.warning("no preset applied", reason=str(exc))
+        return config
+    preset = registry.preset(profile, config.engine.name)
+    if preset is None:
+        log.info("no preset for this hardware and engine", hardware=profile, engine=config.engine.name)
+        return config
+    config, applied = apply_preset(config, preset, ENGINES[config.engine.name]().preset_args)
+    log.info("preset applied", hardware=profile, engine=config.engine.name, applied=applied,
+             kept_from_config=sorted(k for k in config.explicit_keys if k.startswith(("resources.", "engine.args."))))
+    return config
 
 
 def _generate(args: argparse.Namespace, config: Config) -> int:

@@ -70,6 +70,9 @@ class EngineConfig:
     """Context limit in tokens; 0 takes the model's own."""
     args: dict[str, Any] = field(default_factory=dict)
     """Engine-specific arguments, passed through to the engine and checked there."""
+    use_preset: bool = True
+    """Apply the dependency registry's preset for the detected (hardware, engine) to whatever
+    this config leaves unset."""
 
     def validate(self) -> None:
         if not self.name:
@@ -140,6 +143,8 @@ class Config:
     sampling: SamplingDefaults = field(default_factory=SamplingDefaults)
     resources: ResourceConfig = field(default_factory=ResourceConfig)
     models: ModelsConfig = field(default_factory=ModelsConfig)
+    explicit_keys: frozenset[str] = frozenset()
+    """Dotted keys set by the YAML file, the environment or flags (not defaults)."""
 
     def validate(self) -> Config:
         for section in (self.server, self.engine, self.sampling, self.resources, self.models):
@@ -147,7 +152,7 @@ class Config:
         return self
 
 
-SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
+SECTIONS = {f.name: f.type for f in dataclasses.fields(Config) if f.name != "explicit_keys"}
 # Short environment names for the settings people set most; CYLLM_<SECTION>__<KEY> reaches any.
 ENV_SHORTCUTS = {
     "CYLLM_SOCKET": "server.socket",
@@ -178,19 +183,23 @@ def load_config(
     values: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
     for key, value in default_paths(env).items():
         _assign(values, key, value)
+    explicit: set[str] = set()
     if path:
         for key, value in _read_yaml(Path(path)).items():
-            _assign(values, key, value)
+            _assign(values, key, value, explicit)
     for name, value in env.items():
         if name in ENV_SHORTCUTS:
-            _assign(values, ENV_SHORTCUTS[name], value)
+            _assign(values, ENV_SHORTCUTS[name], value, explicit)
         elif name.startswith("CYLLM_") and "__" in name:
             section, _, key = name[len("CYLLM_"):].lower().partition("__")
-            _assign(values, f"{section}.{key.replace('__', '.')}", value)
+            _assign(values, f"{section}.{key.replace('__', '.')}", value, explicit)
     for key, value in (overrides or {}).items():
         if value is not None:
-            _assign(values, key, value)
-    return Config(**{name: _build(name, SECTIONS[name], raw) for name, raw in values.items()}).validate()
+            _assign(values, key, value, explicit)
+    explicit |= {f"engine.args.{key}" for key in values["engine"].get("args", {})}
+    config = Config(**{name: _build(name, SECTIONS[name], raw) for name, raw in values.items()},
+                    explicit_keys=frozenset(explicit))
+    return config.validate()
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
@@ -212,8 +221,10 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     return flat
 
 
-def _assign(values: dict[str, dict[str, Any]], dotted: str, value: Any) -> None:
+def _assign(values: dict[str, dict[str, Any]], dotted: str, value: Any, explicit: set[str] | None = None) -> None:
     section, _, key = dotted.partition(".")
+    if explicit is not None:
+        explicit.add(dotted)
     if section not in values:
         raise ConfigError(dotted, f"unknown section; expected one of {', '.join(SECTIONS)}")
     if key.startswith("args.") and section == "engine":

@@ -83,6 +83,8 @@ class BaseEngine(ABC):
     """Loads a model, turns requests into token streams, aborts them, and says what it can hold."""
 
     name: str
+    # Keys of the registry's performance preset this engine takes as engine arguments.
+    preset_args: tuple[str, ...] = ()
 
     def __init__(self, config: Config, on_fatal: Callable[[BaseException], None] | None = None):
         self.config = config
