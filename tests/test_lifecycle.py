@@ -161,3 +161,18 @@ def test_generate_cli_prints_text_and_fails_with_the_status(worker_process):
     bad = subprocess.run([sys.executable, "-m", "worker", "generate", "--socket", worker.socket_path,
                           "--top-p", "2", "hello"], capture_output=True, text=True, cwd=REPO)
     assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr
+
+
+def test_an_engine_that_stops_making_progress_is_not_ready_but_alive(worker_process):
+    worker = worker_process(*SYNTHETIC, "--set", "engine.args.stall_after_tokens=20", "--set", "server.drain_timeout_s=0",
+                            "--set", "server.progress_timeout_s=1")
+    worker.wait_ready()
+    results = {}
+    stream_in_thread(worker.socket_path, 1000, results)
+    assert results["first"].wait(10)
+    deadline = time.monotonic() + 10
+    while health_status(worker.socket_path, INFERENCE_SERVICE) != health_pb2.HealthCheckResponse.NOT_SERVING:
+        assert time.monotonic() < deadline, "a stalled engine must turn readiness off"
+        time.sleep(0.1)
+    assert health_status(worker.socket_path, "") == health_pb2.HealthCheckResponse.SERVING
+    assert "engine made no progress" in worker.log()

@@ -35,6 +35,9 @@ class ServerConfig:
     """Response messages per second over all streams; each stream's messages are spaced by
     running streams / this, and tokens produced meanwhile ride in the next message. Leaves the
     event loop room to accept new calls under load. 0 sends as fast as the transport takes them."""
+    progress_timeout_s: float = 20.0
+    """While requests run and no output arrived for this long, the inference service reports
+    NOT_SERVING (liveness stays up) until output flows again; 0 turns the check off."""
     exit_with_parent: bool = False
     """Exit when the process that started the worker dies (sidecar, container init)."""
 
@@ -48,6 +51,7 @@ class ServerConfig:
                 "limit of a Unix socket path; choose a shorter one",
             )
         _check_range("server.drain_timeout_s", self.drain_timeout_s, 0, 3600)
+        _check_range("server.progress_timeout_s", self.progress_timeout_s, 0, 86_400)
         _check_range("server.max_messages_per_s", self.max_messages_per_s, 0, 1e9)
         _check_range("server.max_receive_message_bytes", self.max_receive_message_bytes, 1024, 1 << 30)
         if self.log_level.lower() not in {"debug", "info", "warning", "error"}:

@@ -56,6 +56,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self.draining = False
         self.idle = asyncio.Event()
         self.idle.set()
+        # Monotonic time of the last output or admission: the progress watchdog reads it.
+        self.last_progress = time.monotonic()
         self._in_flight = 0
         self._streams: dict[int, RequestStream] = {}
 
@@ -86,6 +88,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             prompt_tokens = len(request.prompt_token_ids)
             grant = await self.scheduler.admit(
                 prompt_tokens + request.sampling.max_tokens, request.priority, deadline)
+            self.last_progress = time.monotonic()
             self.metrics.queue_time.observe(grant.queued_s)
             self.metrics.prompt_tokens.inc(prompt_tokens)
             stream = self.engine.stream_predict(request)
@@ -95,6 +98,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                     max(0.0, deadline - time.monotonic()), stream.fail,
                     RequestDeadlineExceeded("deadline passed while generating"))
             async for output in stream:
+                self.last_progress = time.monotonic()
                 completion_tokens += len(output.token_ids)
                 if first_token_at is None and output.token_ids:
                     first_token_at = time.perf_counter()
@@ -226,7 +230,7 @@ class Worker:
         self.scheduler = TaskScheduler(
             max_concurrency=resources.max_concurrency, max_queue=resources.max_queue,
             queue_timeout_s=resources.queue_timeout_s, budget_tokens=0)
-        self.metrics.watch(self.scheduler, self.engine.get_memory_usage)
+        self.metrics.watch(self.scheduler, self.engine.get_memory_usage, self.engine.num_unfinished)
         self.inference = InferenceServicer(self.engine, self.scheduler, self.metrics, config)
         self.health = health.aio.HealthServicer()
         self.ownership = SocketOwnership(config.server.socket)
@@ -265,6 +269,8 @@ class Worker:
             loop.add_signal_handler(sig, self._on_signal)
         log.info("listening", socket=str(self.ownership.socket_path), pid=os.getpid(), engine=self.engine.name)
         watchers = [asyncio.create_task(self._load())]
+        if self.config.server.progress_timeout_s:
+            watchers.append(asyncio.create_task(self._watch_progress(self.config.server.progress_timeout_s)))
         if self.config.server.exit_with_parent:
             watchers.append(asyncio.create_task(self._watch_parent(os.getppid())))
         try:
@@ -297,6 +303,25 @@ class Worker:
         await self.health.set(INFERENCE_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         log.info("ready", model=info.served_name, max_model_len=info.max_model_len,
                  budget_tokens=self.scheduler.budget_total, load_s=round(time.perf_counter() - started, 2))
+
+    async def _watch_progress(self, timeout_s: float) -> None:
+        """Readiness means progress: running work with no output for timeout_s is a stuck engine."""
+        stalled = False
+        while True:
+            await asyncio.sleep(min(1.0, timeout_s / 4))
+            if not self.inference.ready or self._shutdown.is_set():
+                continue
+            idle_s = time.monotonic() - self.inference.last_progress
+            now_stalled = self.scheduler.load().running > 0 and idle_s > timeout_s
+            if now_stalled != stalled:
+                stalled = now_stalled
+                status = health_pb2.HealthCheckResponse.NOT_SERVING if stalled else health_pb2.HealthCheckResponse.SERVING
+                await self.health.set(INFERENCE_SERVICE, status)
+                if stalled:
+                    log.error("engine made no progress; not ready", idle_s=round(idle_s, 1),
+                              running=self.scheduler.load().running)
+                else:
+                    log.info("engine progressing again; ready")
 
     async def _watch_parent(self, parent: int) -> None:
         while os.getppid() == parent:

@@ -33,18 +33,22 @@ class Metrics:
         self.prompt_tokens = Counter("cyllm_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter("cyllm_generation_tokens", "Tokens generated", registry=r)
 
-    def watch(self, scheduler: TaskScheduler, memory: Callable[[], dict[str, int]]) -> None:
-        """Reads queue, running, budget and rejections off the scheduler at scrape time."""
-        self.registry.register(_SchedulerCollector(scheduler, memory))
+    def watch(self, scheduler: TaskScheduler, memory: Callable[[], dict[str, int]],
+              engine_unfinished: Callable[[], int]) -> None:
+        """Reads queue, running, budget and rejections off the scheduler, and the engine's own
+        count of requests, at scrape time."""
+        self.registry.register(_SchedulerCollector(scheduler, memory, engine_unfinished))
 
     def render(self) -> str:
         return generate_latest(self.registry).decode()
 
 
 class _SchedulerCollector:
-    def __init__(self, scheduler: TaskScheduler, memory: Callable[[], dict[str, int]]):
+    def __init__(self, scheduler: TaskScheduler, memory: Callable[[], dict[str, int]],
+                 engine_unfinished: Callable[[], int]):
         self.scheduler = scheduler
         self.memory = memory
+        self.engine_unfinished = engine_unfinished
 
     def describe(self) -> Iterable:
         return []
@@ -58,6 +62,7 @@ class _SchedulerCollector:
             ("cyllm_kv_budget_total_tokens", "KV budget the engine can hold", load.budget_total),
             ("cyllm_max_concurrency", "Concurrency slots", load.max_concurrency),
             ("cyllm_draining", "1 while the worker drains", int(load.draining)),
+            ("cyllm_engine_unfinished_requests", "Requests the engine itself still holds", self.engine_unfinished()),
         ):
             yield GaugeMetricFamily(name, help_text, value=value)
         rejections = CounterMetricFamily("cyllm_rejections", "Requests refused admission, by reason",

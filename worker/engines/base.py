@@ -120,6 +120,10 @@ class BaseEngine(ABC):
         """Bytes in use per device ("cpu", "cuda:0", ...)."""
         return {}
 
+    @abstractmethod
+    def num_unfinished(self) -> int:
+        """Requests the engine itself still holds (0 once every stream ended or was aborted)."""
+
     def check_token_ids(self, token_ids: list[int] | tuple[int, ...], field_name: str) -> None:
         vocab = self.info.vocab_size
         for token_id in token_ids:

@@ -17,6 +17,12 @@ def _transformers() -> type[BaseEngine]:
     return TransformersEngine
 
 
+def _vllm() -> type[BaseEngine]:
+    from worker.engines.vllm import VLLMEngine
+
+    return VLLMEngine
+
+
 def _synthetic() -> type[BaseEngine]:
     from worker.engines.synthetic import SyntheticEngine
 
@@ -25,6 +31,7 @@ def _synthetic() -> type[BaseEngine]:
 
 ENGINES: dict[str, Callable[[], type[BaseEngine]]] = {
     "transformers": _transformers,
+    "vllm": _vllm,
     "synthetic": _synthetic,
 }
 

@@ -27,6 +27,8 @@ class SyntheticArgs:
     vocab_size: int = 32000
     prefill_tokens_per_s: float = 0.0
     """When set, the first token of a request waits prompt_tokens / this."""
+    stall_after_tokens: int = 0
+    """Fault injection: after this many tokens in all, the engine stops producing (a hung device)."""
     step_ms: float = 0.0
     """When set, a batched decode: every step_ms each running request gets exactly one token
     (tokens_per_s is then unused). Requests admitted in the same step stay in lockstep."""
@@ -71,6 +73,7 @@ class SyntheticEngine(BaseEngine):
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._rotation = 0
+        self._emitted = 0
 
     async def load_model(self) -> ModelInfo:
         self.info = ModelInfo(
@@ -96,6 +99,9 @@ class SyntheticEngine(BaseEngine):
 
     def kv_budget_tokens(self) -> int:
         return self.args.budget_tokens
+
+    def num_unfinished(self) -> int:
+        return len(self._running)
 
     def encode(self, request: GenerationRequest) -> list[int]:
         if request.prompt_token_ids is not None:
@@ -171,6 +177,11 @@ class SyntheticEngine(BaseEngine):
                     self._emit(sequence, count)
 
     def _emit(self, sequence: _Sequence, count: int) -> None:
+        if self.args.stall_after_tokens:
+            count = min(count, self.args.stall_after_tokens - self._emitted)
+            if count <= 0:
+                return
+        self._emitted += count
         request = sequence.request
         count = min(count, request.sampling.max_tokens - sequence.generated)
         vocab = self.args.vocab_size

