@@ -32,7 +32,7 @@ def test_precedence_yaml_then_env_then_flags(tmp_path):
     assert config.resources.max_concurrency == 3
     assert config.resources.max_queue == 9
     assert config.resources.queue_timeout_s == 4.0
-    assert config.engine.args == {"tokens_per_s": "50", "budget_tokens": "10"}
+    assert config.engine.args == {"tokens_per_s": 50, "budget_tokens": 10}
 
 
 @pytest.mark.parametrize(

@@ -230,7 +230,22 @@ def test_presets_fill_only_what_the_config_leaves_unset(registry):
     config = load_config(None, {"HOME": "/h"}, {"engine.name": "transformers", "engine.args.max_num_seqs": "7"})
     applied_config, applied = apply_preset(config, preset, ("gpu_memory_utilization", "max_num_seqs", "block_size"))
     assert applied_config.resources.max_concurrency == 512
-    assert applied_config.engine.args == {"max_num_seqs": "7", "gpu_memory_utilization": 0.92, "block_size": 16}
+    assert applied_config.engine.args == {"max_num_seqs": 7, "gpu_memory_utilization": 0.92, "block_size": 16}
     assert "engine.args.max_num_seqs" not in applied
     explicit = load_config(None, {"HOME": "/h", "CYLLM_RESOURCES__MAX_CONCURRENCY": "3"})
     assert apply_preset(explicit, preset, ())[0].resources.max_concurrency == 3
+
+
+def test_arm64_pins_have_aarch64_wheels(registry, tmp_path):
+    """pip on this x86_64 host, asked for aarch64 wheels. torch's aarch64 CPU build lives on PyTorch's
+    CPU index only (PyPI's aarch64 torch is a CUDA build), which this network cannot reach, so torch
+    is the one pin left out; the rest must exist for the platform."""
+    requirements = registry.resolve("cpu-arm64", "transformers")
+    assert "torch==2.13.0+cpu" in requirements.requirements
+    pins = [r for r in requirements.requirements if not r.startswith("torch==")]
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--no-deps", "--only-binary=:all:",
+         "--platform", "manylinux2014_aarch64", "--platform", "manylinux_2_28_aarch64", "--python-version", "3.11",
+         "--implementation", "cp", "--target", str(tmp_path / "t"), "--quiet", *pins],
+        capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]

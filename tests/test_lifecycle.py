@@ -176,3 +176,15 @@ def test_an_engine_that_stops_making_progress_is_not_ready_but_alive(worker_proc
         time.sleep(0.1)
     assert health_status(worker.socket_path, "") == health_pb2.HealthCheckResponse.SERVING
     assert "engine made no progress" in worker.log()
+
+
+def test_a_dead_engine_fails_every_stream_and_exits_non_zero(worker_process):
+    worker = worker_process(*SYNTHETIC, "--set", "engine.args.fail_after_tokens=30")
+    worker.wait_ready()
+    streams = [{} for _ in range(3)]
+    threads = [stream_in_thread(worker.socket_path, 1000, results) for results in streams]
+    for thread in threads:
+        thread.join(20)
+    assert [results["code"] for results in streams] == [grpc.StatusCode.UNAVAILABLE] * 3
+    assert worker.wait(20) == 1
+    assert "engine failed; the worker stops" in worker.log()

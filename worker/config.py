@@ -232,6 +232,12 @@ def _assign(values: dict[str, dict[str, Any]], dotted: str, value: Any, explicit
     if section not in values:
         raise ConfigError(dotted, f"unknown section; expected one of {', '.join(SECTIONS)}")
     if key.startswith("args.") and section == "engine":
+        # From flags and the environment values come as text: read them as a YAML file would.
+        if isinstance(value, str):
+            try:
+                value = yaml.safe_load(value) if value.strip() else value
+            except yaml.YAMLError:
+                pass
         values[section].setdefault("args", {})[key[len("args."):]] = value
         return
     values[section][key] = value

@@ -23,6 +23,12 @@ def _vllm() -> type[BaseEngine]:
     return VLLMEngine
 
 
+def _trtllm() -> type[BaseEngine]:
+    from worker.engines.trtllm import TRTLLMEngine
+
+    return TRTLLMEngine
+
+
 def _synthetic() -> type[BaseEngine]:
     from worker.engines.synthetic import SyntheticEngine
 
@@ -32,6 +38,7 @@ def _synthetic() -> type[BaseEngine]:
 ENGINES: dict[str, Callable[[], type[BaseEngine]]] = {
     "transformers": _transformers,
     "vllm": _vllm,
+    "trtllm": _trtllm,
     "synthetic": _synthetic,
 }
 
@@ -42,10 +49,10 @@ def create_engine(config: Config, on_fatal: Callable[[BaseException], None] | No
         raise ConfigError("engine.name", f"unknown engine {config.engine.name!r}; available: {', '.join(ENGINES)}")
     try:
         engine_cls = loader()
+        return engine_cls(config, on_fatal)
     except ImportError as exc:
         raise ConfigError(
             "engine.name",
             f"engine {config.engine.name!r} needs packages that are not installed ({exc.name}); "
-            f"install the extra: pip install 'cy-llm[{config.engine.name}]'",
+            f"install its stack: cy-llm setup --engine {config.engine.name}",
         ) from exc
-    return engine_cls(config, on_fatal)

@@ -29,6 +29,8 @@ class SyntheticArgs:
     """When set, the first token of a request waits prompt_tokens / this."""
     stall_after_tokens: int = 0
     """Fault injection: after this many tokens in all, the engine stops producing (a hung device)."""
+    fail_after_tokens: int = 0
+    """Fault injection: after this many tokens in all, the engine's loop raises (a dead engine)."""
     step_ms: float = 0.0
     """When set, a batched decode: every step_ms each running request gets exactly one token
     (tokens_per_s is then unused). Requests admitted in the same step stay in lockstep."""
@@ -177,6 +179,8 @@ class SyntheticEngine(BaseEngine):
                     self._emit(sequence, count)
 
     def _emit(self, sequence: _Sequence, count: int) -> None:
+        if self.args.fail_after_tokens and self._emitted >= self.args.fail_after_tokens:
+            raise RuntimeError("injected engine fault")
         if self.args.stall_after_tokens:
             count = min(count, self.args.stall_after_tokens - self._emitted)
             if count <= 0:
