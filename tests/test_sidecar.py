@@ -66,6 +66,10 @@ def test_grpc_through_the_sidecar(one_worker):
         with pytest.raises(grpc.RpcError) as error:
             list(stub.StreamPredict(pb.PredictRequest(prompt="x", sampling=pb.SamplingParams(max_tokens=5000)), timeout=0.3))
         assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    with grpc.insecure_channel(f"127.0.0.1:{front.grpc_port}", options=[("grpc.max_send_message_length", 64 << 20)]) as big:
+        with pytest.raises(grpc.RpcError) as error:
+            list(pb_grpc.InferenceServiceStub(big).StreamPredict(pb.PredictRequest(prompt="x" * (5 << 20)), timeout=10))
+        assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert wait_idle(worker.socket_path).running == 0
 
 

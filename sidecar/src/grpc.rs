@@ -58,6 +58,21 @@ pub fn grpc_timeout(metadata: &MetadataMap) -> Option<Duration> {
     })
 }
 
+/// tonic's decoder refuses a message over the size limit with OUT_OF_RANGE; the contract (and
+/// grpc-core, which the workers use) says RESOURCE_EXHAUSTED, so that one status is rewritten.
+pub fn oversized_is_resource_exhausted<B>(mut response: http::Response<B>) -> http::Response<B> {
+    let headers = response.headers_mut();
+    let too_large = headers.get("grpc-status").is_some_and(|status| status == "11")
+        && headers
+            .get("grpc-message")
+            .and_then(|message| message.to_str().ok())
+            .is_some_and(|message| message.contains("message") && message.contains("too") && message.contains("large"));
+    if too_large {
+        headers.insert("grpc-status", http::HeaderValue::from_static("8"));
+    }
+    response
+}
+
 /// Rejects calls without a valid key (authorization: Bearer KEY, or x-api-key: KEY).
 pub fn auth_interceptor(keys: ApiKeys) -> impl FnMut(Request<()>) -> Result<Request<()>, Status> + Clone {
     move |request: Request<()>| {
@@ -86,6 +101,20 @@ mod tests {
         }
         metadata.insert("grpc-timeout", "12x".parse().unwrap());
         assert_eq!(grpc_timeout(&metadata), None);
+    }
+
+    #[test]
+    fn only_the_oversized_decode_error_becomes_resource_exhausted() {
+        let response = |status: &'static str, message: &'static str| {
+            let mut response = http::Response::new(());
+            response.headers_mut().insert("grpc-status", http::HeaderValue::from_static(status));
+            response.headers_mut().insert("grpc-message", http::HeaderValue::from_static(message));
+            oversized_is_resource_exhausted(response)
+        };
+        let large = response("11", "Error,%20decoded%20message%20length%20too%20large");
+        assert_eq!(large.headers()["grpc-status"], "8");
+        assert_eq!(response("11", "other").headers()["grpc-status"], "11");
+        assert_eq!(response("3", "message too large").headers()["grpc-status"], "3");
     }
 
     #[test]
