@@ -185,3 +185,40 @@ def test_openai_sdk_through_the_sidecar_answers_paris(served, sidecar):
     chunks = client.chat.completions.create(model="smollm2-135m-instruct", temperature=0, max_tokens=30, stream=True,
                                             messages=[{"role": "user", "content": FRANCE}])
     assert "Paris" in "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+async def test_out_of_memory_on_one_request_then_repeated_faults_stop_the_worker(embedded_model, monkeypatch):
+    """A real torch.OutOfMemoryError from the transformers engine's forward pass (injected)."""
+    import asyncio
+
+    import torch
+
+    from tests.conftest import running_worker
+
+    settings = {"engine.name": "transformers", "engine.model": str(embedded_model),
+                "server.max_consecutive_engine_errors": "3"}
+    async with running_worker(**settings) as (worker, client):
+        model = worker.engine.model
+        forward = model.forward
+        failures = {"left": 1}
+
+        def flaky_forward(*args, **kwargs):
+            if failures["left"]:
+                failures["left"] -= 1
+                raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+            return forward(*args, **kwargs)
+
+        monkeypatch.setattr(model, "forward", flaky_forward)
+        request = pb.PredictRequest(prompt="Hello", sampling=pb.SamplingParams(max_tokens=3, temperature=0))
+        assert await client.status_of(request) == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert (await client.collect(request))[-1].usage.completion_tokens == 3  # the worker goes on
+        load = await client.wait_idle()
+        assert (load.running, load.budget_tokens_used) == (0, 0)
+        failures["left"] = 3
+        for _ in range(3):
+            assert await client.status_of(request) == grpc.StatusCode.RESOURCE_EXHAUSTED
+        for _ in range(100):
+            if worker.exit_code == 1:
+                break
+            await asyncio.sleep(0.02)
+        assert worker.exit_code == 1

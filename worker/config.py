@@ -38,6 +38,9 @@ class ServerConfig:
     progress_timeout_s: float = 20.0
     """While requests run and no output arrived for this long, the inference service reports
     NOT_SERVING (liveness stays up) until output flows again; 0 turns the check off."""
+    max_consecutive_engine_errors: int = 5
+    """Device or engine faults in a row (out of memory, a failed request) after which the worker
+    stops serving and exits non-zero so it is restarted; a success resets the count."""
     exit_with_parent: bool = False
     """Exit when the process that started the worker dies (sidecar, container init)."""
 
@@ -51,6 +54,7 @@ class ServerConfig:
                 "limit of a Unix socket path; choose a shorter one",
             )
         _check_range("server.drain_timeout_s", self.drain_timeout_s, 0, 3600)
+        _check_range("server.max_consecutive_engine_errors", self.max_consecutive_engine_errors, 1, 1_000_000)
         _check_range("server.progress_timeout_s", self.progress_timeout_s, 0, 86_400)
         _check_range("server.max_messages_per_s", self.max_messages_per_s, 0, 1e9)
         _check_range("server.max_receive_message_bytes", self.max_receive_message_bytes, 1024, 1 << 30)

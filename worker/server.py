@@ -17,8 +17,10 @@ from worker.config import Config
 from worker.engines.base import BaseEngine, RequestStream
 from worker.errors import (
     AdapterNotFound,
+    DeviceOutOfMemory,
     Draining,
     EngineDead,
+    EngineRequestError,
     InvalidRequest,
     ModelNotFound,
     NotReady,
@@ -51,6 +53,10 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self.metrics = metrics
         self.defaults = config.sampling
         self.max_messages_per_s = config.server.max_messages_per_s
+        self.max_consecutive_engine_errors = config.server.max_consecutive_engine_errors
+        self.consecutive_engine_errors = 0
+        # Set by the Worker: called once faults in a row say the device is not coming back.
+        self.on_repeated_faults = lambda: None
         self.adapters: frozenset[str] = frozenset()
         self.ready = False
         self.draining = False
@@ -107,6 +113,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                     response.token_ids.extend(output.token_ids)
                 if output.finish_reason is not None:
                     finished = True
+                    self.consecutive_engine_errors = 0
                     now = time.perf_counter()
                     response.finish_reason = FINISH_REASONS[output.finish_reason]
                     response.usage.prompt_tokens = prompt_tokens
@@ -123,6 +130,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                         await asyncio.sleep(spacing)
         except WorkerError as exc:
             status, detail = status_for(exc)
+            if isinstance(exc, (DeviceOutOfMemory, EngineRequestError)):
+                self._count_engine_error()
             await context.abort(status, detail)
         except (asyncio.CancelledError, GeneratorExit):
             # grpc cancels the handler task, or closes this generator at a yield.
@@ -146,6 +155,12 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             self._in_flight -= 1
             if self._in_flight == 0:
                 self.idle.set()
+
+    def _count_engine_error(self) -> None:
+        self.consecutive_engine_errors += 1
+        if self.consecutive_engine_errors == self.max_consecutive_engine_errors:
+            log.error("engine faults in a row; the worker stops", faults=self.consecutive_engine_errors)
+            self.on_repeated_faults()
 
     async def _prepare(self, message: pb.PredictRequest) -> GenerationRequest:
         if self.draining:
@@ -232,6 +247,7 @@ class Worker:
             queue_timeout_s=resources.queue_timeout_s, budget_tokens=0)
         self.metrics.watch(self.scheduler, self.engine.get_memory_usage, self.engine.num_unfinished)
         self.inference = InferenceServicer(self.engine, self.scheduler, self.metrics, config)
+        self.inference.on_repeated_faults = lambda: self.request_shutdown(0.0, exit_code=1)
         self.health = health.aio.HealthServicer()
         self.ownership = SocketOwnership(config.server.socket)
         self.exit_code = 0
