@@ -108,7 +108,34 @@ def synthetic_request(max_tokens: int = 8, **fields: Any) -> pb.PredictRequest:
     return pb.PredictRequest(sampling=sampling, **fields)
 
 
-class WorkerProcess:
+class LoggedProcess:
+    """A child process writing to a log file of its own; stopped with SIGTERM, killed if it lingers."""
+
+    stop_timeout_s = 10.0
+
+    def __init__(self, command: list[str], env: dict[str, str] | None = None):
+        self.log_path = Path(tempfile.mkstemp(prefix="cyllm-log-", dir="/tmp")[1])
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})}, cwd=REPO)
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(self.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        self.log_path.unlink(missing_ok=True)
+
+
+class WorkerProcess(LoggedProcess):
     """`cy-llm serve` as a child process, for signals, locks and exit codes."""
 
     def __init__(self, *args: str, socket_path: str | None = None, env: dict[str, str] | None = None):
@@ -117,11 +144,7 @@ class WorkerProcess:
             self.socket_dir = short_tmpdir()
             socket_path = f"{self.socket_dir}/w.sock"
         self.socket_path = socket_path
-        self.log_path = Path(tempfile.mkstemp(prefix="cyllm-log-", dir="/tmp")[1])
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "worker", "serve", "--socket", socket_path, *args],
-            stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, cwd=REPO)
+        super().__init__([sys.executable, "-m", "worker", "serve", "--socket", socket_path, *args], env)
 
     def wait_ready(self, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
@@ -145,36 +168,33 @@ class WorkerProcess:
     def wait(self, timeout: float = 30.0) -> int:
         return self.proc.wait(timeout)
 
-    def log(self) -> str:
-        self._log.flush()
-        return self.log_path.read_text()
-
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        self.log_path.unlink(missing_ok=True)
+        super().stop()
         if self.socket_dir:
             shutil.rmtree(self.socket_dir, ignore_errors=True)
 
 
-@pytest.fixture
-def worker_process():
-    started: list[WorkerProcess] = []
+@contextlib.contextmanager
+def _started(factory):
+    """A start function for a fixture; every process it started is stopped afterwards."""
+    started = []
 
-    def start(*args: str, **kwargs: Any) -> WorkerProcess:
-        process = WorkerProcess(*args, **kwargs)
+    def start(*args: Any, **kwargs: Any):
+        process = factory(*args, **kwargs)
         started.append(process)
         return process
 
-    yield start
-    for process in started:
-        process.stop()
+    try:
+        yield start
+    finally:
+        for process in started:
+            process.stop()
+
+
+@pytest.fixture
+def worker_process():
+    with _started(WorkerProcess) as start:
+        yield start
 
 
 @pytest.fixture(scope="session")
@@ -202,18 +222,16 @@ def sidecar_binary() -> Path:
     return target / "release" / "cy-llm-sidecar"
 
 
-class SidecarProcess:
+class SidecarProcess(LoggedProcess):
     """cy-llm-sidecar on loopback ports in front of the given worker sockets."""
+
+    stop_timeout_s = 15.0
 
     def __init__(self, binary: Path, sockets: list[str], *args: str, env: dict[str, str] | None = None):
         self.grpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
-        self.log_path = Path(tempfile.mkstemp(prefix="cyllm-sidecar-", dir="/tmp")[1])
-        self._log = open(self.log_path, "w")
-        command = [str(binary), "--grpc-addr", f"127.0.0.1:{self.grpc_port}",
-                   "--http-addr", f"127.0.0.1:{self.http_port}", "--metrics-addr", f"127.0.0.1:{self.metrics_port}",
-                   *(f"--worker=unix://{s}" for s in sockets), *args]
-        self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})})
+        super().__init__([str(binary), "--grpc-addr", f"127.0.0.1:{self.grpc_port}",
+                          "--http-addr", f"127.0.0.1:{self.http_port}", "--metrics-addr", f"127.0.0.1:{self.metrics_port}",
+                          *(f"--worker=unix://{s}" for s in sockets), *args], env)
 
     @property
     def http(self) -> str:
@@ -236,31 +254,8 @@ class SidecarProcess:
             time.sleep(0.05)
         raise TimeoutError(f"sidecar not ready in {timeout} s:\n{self.log()}")
 
-    def log(self) -> str:
-        self._log.flush()
-        return self.log_path.read_text()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        self.log_path.unlink(missing_ok=True)
-
 
 @pytest.fixture
 def sidecar(sidecar_binary):
-    started: list[SidecarProcess] = []
-
-    def start(sockets: list[str], *args: str, **kwargs: Any) -> SidecarProcess:
-        process = SidecarProcess(sidecar_binary, sockets, *args, **kwargs)
-        started.append(process)
-        return process
-
-    yield start
-    for process in started:
-        process.stop()
+    with _started(lambda sockets, *args, **kwargs: SidecarProcess(sidecar_binary, sockets, *args, **kwargs)) as start:
+        yield start

@@ -265,3 +265,16 @@ def test_a_real_prometheus_scrapes_the_whole_stack(one_worker):
         prom.terminate()
         prom.wait(10)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def test_a_sidecar_started_before_its_worker_learns_the_models_when_it_turns_ready(worker_process, sidecar):
+    from tests.conftest import short_tmpdir
+
+    socket_path = f"{short_tmpdir()}/w.sock"
+    front = sidecar([socket_path])
+    assert httpx.get(f"{front.http}/readyz").status_code == 503
+    worker = worker_process(*SYNTHETIC, "--set", "engine.args.prefill_tokens_per_s=1000", socket_path=socket_path)
+    worker.wait_ready()
+    front.wait_ready()
+    client = openai.OpenAI(base_url=f"{front.http}/v1", api_key="unused", max_retries=0)
+    assert client.completions.create(model="synthetic", prompt="x", max_tokens=3).usage.completion_tokens == 3

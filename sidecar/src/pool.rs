@@ -179,16 +179,18 @@ async fn watch_health(worker: Arc<Worker>) {
     }
 }
 
-/// GetInfo, then follows the inference service's health until the stream breaks.
+/// Follows the inference service's health until the stream breaks, reading the worker's models
+/// (GetInfo) each time it turns ready: a worker still loading has none to report yet.
 async fn watch_once(worker: &Arc<Worker>) -> Result<(), tonic::Status> {
     let mut control = WorkerControlClient::new(worker.channel.clone());
-    let info = control.get_info(GetInfoRequest {}).await?.into_inner();
-    *worker.models.write().unwrap() = info.models;
     let mut health = HealthClient::new(worker.channel.clone());
     let mut updates =
         health.watch(HealthCheckRequest { service: INFERENCE_SERVICE.to_string() }).await?.into_inner();
     while let Some(update) = updates.message().await? {
         let ready = update.status == ServingStatus::Serving as i32;
+        if ready {
+            *worker.models.write().unwrap() = control.get_info(GetInfoRequest {}).await?.into_inner().models;
+        }
         if ready != worker.is_ready() {
             tracing::info!(worker = %worker.name, ready, models = ?worker.models(), "worker readiness");
         }
