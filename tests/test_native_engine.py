@@ -1,0 +1,99 @@
+"""The native engine against Hugging Face transformers on the embedded model (CPU, fp32): same greedy
+tokens one by one and batched, same logits, and the same tokens when the KV cache is too small and
+sequences are preempted and recomputed."""
+
+import asyncio
+
+import pytest
+import torch
+
+from worker.config import load_config
+from worker.engines.native.engine import NativeEngine
+from worker.engines.native.model import Batch, load_model
+from worker.request import GenerationRequest, SamplingParams
+
+SHARED = "You are a careful assistant. Answer in one short paragraph. Question: "
+PROMPTS = [SHARED + q for q in (
+    "What is the capital of France?", "Why is the sky blue?", "Name three prime numbers.",
+    "What does a compiler do?", "How do bees make honey?", "What is 12 times 12?")] + [
+    "Once upon a time", "The three laws of thermodynamics are"]
+NEW_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def hf_reference(embedded_model):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(embedded_model)
+    model = AutoModelForCausalLM.from_pretrained(embedded_model, dtype=torch.float32).eval()
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    return model, prompts, [hf_greedy(model, ids, NEW_TOKENS) for ids in prompts]
+
+
+@torch.inference_mode()
+def hf_greedy(model, ids: list[int], count: int) -> list[int]:
+    """HF's forward and KV cache, argmax each step, no logit processors (generate's min_new_tokens
+    would mask EOS; ignore_eos means only "do not stop")."""
+    out = model(torch.tensor([ids]), use_cache=True)
+    tokens = []
+    for _ in range(count):
+        tokens.append(int(out.logits[0, -1].argmax()))
+        out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+    return tokens
+
+
+def engine_for(embedded_model, **settings) -> NativeEngine:
+    config = load_config(None, {"HOME": "/tmp"}, {"engine.name": "native", "engine.model": str(embedded_model),
+                                                  "engine.dtype": "float32", **settings})
+    return NativeEngine(config)
+
+
+async def generate(engine: NativeEngine, prompts: list[list[int]], together: bool) -> list[list[int]]:
+    async def one(index, ids):
+        request = GenerationRequest(request_id=f"r{index}", prompt_token_ids=list(ids),
+                                    sampling=SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+        return [t async for out in engine.stream_predict(request) for t in out.token_ids]
+
+    if together:
+        return list(await asyncio.gather(*(one(i, ids) for i, ids in enumerate(prompts))))
+    return [await one(i, ids) for i, ids in enumerate(prompts)]
+
+
+def test_one_step_logits_match(hf_reference, embedded_model):
+    hf, prompts, _ = hf_reference
+    model = load_model(embedded_model, torch.float32, torch.device("cpu"))
+    c, block_size = model.config, 16
+    k = torch.zeros(c.num_layers, 8 * block_size, c.num_kv_heads, c.head_dim)
+    v = torch.zeros_like(k)
+    ids = prompts[0]
+    batch = Batch(torch.tensor(ids), torch.arange(len(ids)), torch.arange(len(ids)), [len(ids)], [len(ids)],
+                  [list(range(8))], torch.tensor([len(ids) - 1]), block_size)
+    with torch.inference_mode():
+        reference = hf(torch.tensor([ids])).logits[0, -1]
+    torch.testing.assert_close(model(batch, k, v)[0], reference, atol=1e-3, rtol=1e-4)
+
+
+async def test_greedy_tokens_match_hf_one_by_one_and_batched(hf_reference, embedded_model):
+    _, prompts, expected = hf_reference
+    engine = engine_for(embedded_model)
+    await engine.load_model()
+    try:
+        assert await generate(engine, prompts, together=False) == expected
+        assert await generate(engine, prompts, together=True) == expected
+        assert engine.num_unfinished() == 0 and engine.blocks.num_free == engine.blocks.num_blocks
+    finally:
+        await engine.unload_model()
+
+
+async def test_preemption_recomputes_to_the_same_tokens(hf_reference, embedded_model):
+    _, prompts, expected = hf_reference
+    weights_gib = sum(p.numel() * 4 for p in load_model(embedded_model, torch.float32, torch.device("cpu")).parameters()) / (1 << 30)
+    # Room for about 300 tokens of KV: the 8 sequences need ~730, so some are preempted and recomputed.
+    engine = engine_for(embedded_model, **{"resources.memory_limit_gib": str(weights_gib + 0.0135)})
+    await engine.load_model()
+    try:
+        assert engine.kv_budget_tokens() < 400
+        assert await generate(engine, prompts, together=True) == expected
+        assert engine.blocks.num_free == engine.blocks.num_blocks
+    finally:
+        await engine.unload_model()

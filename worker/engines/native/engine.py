@@ -1,0 +1,286 @@
+"""native engine: continuous batching over a paged KV cache, on one engine thread.
+
+Each step reads as schedule() -> run() -> postprocess(): running sequences decode one token each,
+waiting ones prefill in chunks under the step's token budget, and when blocks run out the newest
+running sequence is preempted (its blocks freed, its tokens recomputed later).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from worker.config import ConfigError
+from worker.engines.base import BaseEngine, ModelInfo, RequestStream
+from worker.engines.detokenizer import OutputText
+from worker.engines.native.block_manager import BlockManager
+from worker.engines.native.model import Batch, load_model
+from worker.engines.prompt import encode_prompt
+from worker.engines.sampler import make_generator, sample
+from worker.errors import DeviceOutOfMemory, EngineDead
+from worker.models import locate_model
+from worker.request import GenerationRequest, RequestOutput
+from worker.telemetry import get_logger
+
+log = get_logger(__name__)
+GIB = 1 << 30
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ARGS = {"block_size": 16, "max_num_batched_tokens": 2048, "max_num_seqs": 64, "gpu_memory_utilization": 0.9,
+        "kv_cache_dtype": "auto"}
+
+
+@dataclass(eq=False)
+class Sequence:
+    stream: RequestStream
+    request: GenerationRequest
+    generator: torch.Generator
+    text: OutputText
+    tokens: list[int]
+    """Prompt then generated tokens: what the cache must hold (recomputed after a preemption)."""
+    output_ids: list[int] = field(default_factory=list)
+    num_cached: int = 0
+    blocks: list[int] = field(default_factory=list)
+
+
+class NativeEngine(BaseEngine):
+    name = "native"
+    preset_args = ("block_size", "max_num_batched_tokens", "max_num_seqs", "gpu_memory_utilization")
+
+    def __init__(self, config, on_fatal=None):
+        super().__init__(config, on_fatal)
+        unknown = set(config.engine.args) - set(ARGS)
+        if unknown:
+            raise ConfigError(f"engine.args.{sorted(unknown)[0]}", f"the native engine takes {sorted(ARGS)}")
+        self.args = {**ARGS, **config.engine.args}
+        if self.args["kv_cache_dtype"] != "auto":
+            raise ConfigError("engine.args.kv_cache_dtype", "the native engine keeps the KV cache in the model's dtype")
+        self.model = self.tokenizer = self.device = None
+        self.blocks: BlockManager | None = None
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._waiting: deque[Sequence] = deque()
+        self._running: list[Sequence] = []
+        self._dead: BaseException | None = None
+
+    async def load_model(self) -> ModelInfo:
+        self._loop = asyncio.get_running_loop()
+        await asyncio.to_thread(self._load)
+        self._thread = threading.Thread(target=self._run, name="native-engine", daemon=True)
+        self._thread.start()
+        return self.info
+
+    def _load(self) -> None:
+        from transformers import AutoTokenizer
+
+        engine = self.config.engine
+        folder = locate_model(engine.model, self.config.models.cache_dir, log=lambda m: log.info(m))
+        self.device = torch.device(engine.device if engine.device != "auto" else
+                                   ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = DTYPES.get(engine.dtype) or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        try:
+            self.model = load_model(folder, dtype, self.device)
+        except ValueError as exc:
+            raise ConfigError("engine.model", str(exc)) from exc
+        self.tokenizer = AutoTokenizer.from_pretrained(folder)
+        c = self.model.config
+        block_size = int(self.args["block_size"])
+        bytes_per_block = c.num_layers * 2 * c.num_kv_heads * c.head_dim * dtype.itemsize * block_size
+        num_blocks = int(self._kv_memory() // bytes_per_block)
+        if num_blocks < 2:
+            raise ConfigError("resources.memory_limit_gib", "too little memory for the KV cache")
+        self.blocks = BlockManager(num_blocks, block_size)
+        # (layers, slots, kv_heads, head_dim): slot = block * block_size + offset.
+        shape = (c.num_layers, num_blocks * block_size, c.num_kv_heads, c.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.eos_ids = frozenset(c.eos_token_ids) | ({self.tokenizer.eos_token_id} - {None})
+        self.info = ModelInfo(
+            served_name=engine.served_name or (engine.model if "/" not in engine.model else folder.name),
+            max_model_len=engine.max_model_len or c.max_position_embeddings,
+            vocab_size=max(c.vocab_size, len(self.tokenizer)),
+            kv_bytes_per_token=bytes_per_block // block_size,
+        )
+        log.info("native engine ready", folder=str(folder), device=str(self.device), dtype=str(dtype),
+                 kv_blocks=num_blocks, block_size=block_size, budget_tokens=num_blocks * block_size)
+
+    def _kv_memory(self) -> int:
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        if self.config.resources.memory_limit_gib:
+            return int(self.config.resources.memory_limit_gib * GIB) - weights
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            return int(min(free, total * float(self.args["gpu_memory_utilization"]) - weights) * 0.95)
+        return 2 * GIB
+
+    async def unload_model(self) -> None:
+        if self._thread is not None:
+            self._inbox.put(("stop", None))
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
+        self.model = self.k_cache = self.v_cache = None
+
+    def kv_budget_tokens(self) -> int:
+        return self.blocks.num_blocks * self.blocks.block_size if self.blocks else 0
+
+    def num_unfinished(self) -> int:
+        return len(self._waiting) + len(self._running)
+
+    def get_memory_usage(self) -> dict[str, int]:
+        if self.device is not None and self.device.type == "cuda":
+            return {str(self.device): torch.cuda.memory_allocated(self.device)}
+        if self.model is None:
+            return {}
+        return {"cpu": sum(p.numel() * p.element_size() for p in self.model.parameters())
+                + self.k_cache.numel() * self.k_cache.element_size() * 2}
+
+    def encode(self, request: GenerationRequest) -> list[int]:
+        return encode_prompt(self.tokenizer, request)
+
+    def stream_predict(self, request: GenerationRequest) -> RequestStream:
+        stream = RequestStream(request.request_id)
+        if self._dead is not None:
+            stream.fail(EngineDead("engine stopped"))
+            return stream
+        self._inbox.put(("add", Sequence(
+            stream, request, make_generator(request.sampling, self.device),
+            OutputText(self.tokenizer, request.prompt_token_ids, request.sampling.stop, self.eos_ids),
+            list(request.prompt_token_ids))))
+        return stream
+
+    def abort(self, stream: RequestStream) -> None:
+        self._inbox.put(("abort", stream))
+
+    # --- engine thread ---
+
+    def _run(self) -> None:
+        try:
+            while self._take_inbox(block=not (self._waiting or self._running)):
+                scheduled = self._schedule()
+                if scheduled:
+                    self._postprocess(scheduled, self._forward(scheduled))
+        except BaseException as exc:  # noqa: BLE001 - anything here means the engine cannot go on
+            self._dead = exc
+            log.error("native engine failed", error=repr(exc))
+            for seq in [*self._waiting, *self._running]:
+                self._post(seq.stream.fail, EngineDead(f"engine failed: {type(exc).__name__}"))
+            self._loop.call_soon_threadsafe(self._on_fatal, exc)
+            return
+        for seq in [*self._waiting, *self._running]:
+            self._post(seq.stream.put, RequestOutput(finish_reason="aborted"))
+
+    def _take_inbox(self, block: bool) -> bool:
+        while True:
+            try:
+                kind, item = self._inbox.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if kind == "stop":
+                return False
+            if kind == "add":
+                self._waiting.append(item)
+                continue
+            for seq in [s for s in [*self._waiting, *self._running] if s.stream is item]:
+                self._drop(seq)
+                self._post(seq.stream.put, RequestOutput(finish_reason="aborted"))
+
+    def _drop(self, seq: Sequence) -> None:
+        self.blocks.release(seq.blocks)
+        if seq in self._running:
+            self._running.remove(seq)
+        if seq in self._waiting:
+            self._waiting.remove(seq)
+
+    def _schedule(self) -> list[tuple[Sequence, int]]:
+        """(sequence, tokens this step): a decode token for each running one, then prefill chunks."""
+        budget = int(self.args["max_num_batched_tokens"])
+        scheduled: list[tuple[Sequence, int]] = []
+        for seq in list(self._running):
+            if seq not in self._running:
+                continue  # preempted below to make room for an older one
+            while not self.blocks.can_grow(seq.blocks, seq.num_cached + 1):
+                victim = self._running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                self.blocks.grow(seq.blocks, seq.num_cached + 1)
+                scheduled.append((seq, 1))
+                budget -= 1
+        while self._waiting and budget > 0 and len(self._running) < int(self.args["max_num_seqs"]):
+            seq = self._waiting[0]
+            chunk = min(len(seq.tokens) - seq.num_cached, budget)
+            if not self.blocks.can_grow(seq.blocks, seq.num_cached + chunk):
+                break
+            self.blocks.grow(seq.blocks, seq.num_cached + chunk)
+            scheduled.append((seq, chunk))
+            budget -= chunk
+            if seq.num_cached + chunk == len(seq.tokens):
+                self._running.append(self._waiting.popleft())
+            else:
+                break  # a chunked prefill goes on next step
+        return scheduled
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.blocks.release(seq.blocks)
+        seq.num_cached = 0
+        self._running.remove(seq)
+        self._waiting.appendleft(seq)
+
+    def _forward(self, scheduled: list[tuple[Sequence, int]]) -> torch.Tensor:
+        block_size = self.blocks.block_size
+        ids, positions, slots, last = [], [], [], []
+        for seq, count in scheduled:
+            start = seq.num_cached
+            ids.extend(seq.tokens[start:start + count])
+            for position in range(start, start + count):
+                positions.append(position)
+                slots.append(seq.blocks[position // block_size] * block_size + position % block_size)
+            last.append(len(ids) - 1)
+        device = self.device
+        batch = Batch(
+            input_ids=torch.tensor(ids, device=device), positions=torch.tensor(positions, device=device),
+            slots=torch.tensor(slots, device=device), query_lens=[c for _, c in scheduled],
+            context_lens=[s.num_cached + c for s, c in scheduled], block_tables=[s.blocks for s, _ in scheduled],
+            last_token_index=torch.tensor(last, device=device), block_size=block_size)
+        try:
+            return self.model(batch, self.k_cache, self.v_cache)
+        except torch.OutOfMemoryError:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            for seq, _ in scheduled:
+                self._drop(seq)
+                self._post(seq.stream.fail, DeviceOutOfMemory("device out of memory on this step"))
+            return None
+
+    def _postprocess(self, scheduled: list[tuple[Sequence, int]], logits: torch.Tensor | None) -> None:
+        if logits is None:
+            return
+        rows, ready = [], []
+        for row, (seq, count) in enumerate(scheduled):
+            seq.num_cached += count
+            if seq.num_cached == len(seq.tokens):  # its last known token ran: it gets a new one
+                rows.append(row)
+                ready.append(seq)
+        if not ready:
+            return
+        tokens = sample(logits[rows], [s.request.sampling for s in ready], [s.generator for s in ready],
+                        [s.request.prompt_token_ids for s in ready], [s.output_ids for s in ready])
+        for seq, token in zip(ready, tokens):
+            params = seq.request.sampling
+            seq.tokens.append(token)
+            seq.output_ids.append(token)
+            at_limit = len(seq.output_ids) >= params.max_tokens or len(seq.tokens) >= self.info.max_model_len
+            text, finish = seq.text.add(token, params.stop_token_ids, params.ignore_eos, at_limit)
+            if finish is not None:
+                self._drop(seq)
+            self._post(seq.stream.put, RequestOutput(text=text, token_ids=[token], finish_reason=finish))
+
+    def _post(self, callback, argument) -> None:
+        self._loop.call_soon_threadsafe(callback, argument)
