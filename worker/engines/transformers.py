@@ -6,22 +6,21 @@ tokens. Requests take turns a token at a time (no batching); the native engine b
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import os
 import queue
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from worker.config import ConfigError
-from worker.engines.base import BaseEngine, ModelInfo, RequestStream
+from worker.engines.base import ModelInfo, RequestStream
 from worker.engines.detokenizer import OutputText
 from worker.engines.prompt import encode_prompt
 from worker.engines.sampler import make_generator, sample
-from worker.errors import DeviceOutOfMemory, EngineDead, EngineRequestError
+from worker.engines.threaded import ThreadedEngine
+from worker.errors import DeviceOutOfMemory, EngineRequestError
 from worker.models import locate_model
 from worker.request import GenerationRequest, RequestOutput
 from worker.telemetry import get_logger
@@ -41,7 +40,7 @@ class _Sequence:
     cache: Any = None
 
 
-class TransformersEngine(BaseEngine):
+class TransformersEngine(ThreadedEngine):
     name = "transformers"
 
     def __init__(self, config, on_fatal=None):
@@ -54,18 +53,8 @@ class TransformersEngine(BaseEngine):
         self.device: torch.device | None = None
         self.eos_ids: frozenset[int] = frozenset()
         self._budget = 0
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._dead: BaseException | None = None
+        self._active: dict[int, _Sequence] = {}  # engine thread only
         self._unfinished = 0  # written by the engine thread only
-
-    async def load_model(self) -> ModelInfo:
-        self._loop = asyncio.get_running_loop()
-        await asyncio.to_thread(self._load)
-        self._thread = threading.Thread(target=self._run, name="transformers-engine", daemon=True)
-        self._thread.start()
-        return self.info
 
     def _load(self) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -109,11 +98,7 @@ class TransformersEngine(BaseEngine):
             return int(free * 0.9)
         return 4 * GIB
 
-    async def unload_model(self) -> None:
-        if self._thread is not None:
-            self._inbox.put(("stop", None))
-            await asyncio.to_thread(self._thread.join)
-            self._thread = None
+    def _release(self) -> None:
         self.model = None
         gc.collect()
         if self.device is not None and self.device.type == "cuda":
@@ -136,10 +121,9 @@ class TransformersEngine(BaseEngine):
         return encode_prompt(self.tokenizer, request)
 
     def stream_predict(self, request: GenerationRequest) -> RequestStream:
+        if (refused := self._refused(request.request_id)) is not None:
+            return refused
         stream = RequestStream(request.request_id)
-        if self._dead is not None:
-            stream.fail(EngineDead("engine stopped"))
-            return stream
         self._inbox.put(("add", _Sequence(
             stream=stream,
             request=request,
@@ -153,25 +137,15 @@ class TransformersEngine(BaseEngine):
 
     # --- engine thread ---
 
-    def _run(self) -> None:
-        active: dict[int, _Sequence] = {}
-        try:
-            while True:
-                if not self._take_inbox(active, block=not active):
-                    break
-                for key in list(active):
-                    if self._step(active[key]):
-                        del active[key]
-                self._unfinished = len(active)
-        except BaseException as exc:  # noqa: BLE001 - anything here means the engine cannot go on
-            self._dead = exc
-            log.error("engine thread failed", error=repr(exc))
-            for sequence in active.values():
-                self._post(sequence.stream.fail, EngineDead(f"engine failed: {type(exc).__name__}"))
-            self._loop.call_soon_threadsafe(self._on_fatal, exc)
-            return
-        for sequence in active.values():
-            self._post(sequence.stream.put, RequestOutput(finish_reason="aborted"))
+    def _serve(self) -> None:
+        while self._take_inbox(self._active, block=not self._active):
+            for key in list(self._active):
+                if self._step(self._active[key]):
+                    del self._active[key]
+            self._unfinished = len(self._active)
+
+    def _open_streams(self) -> list[RequestStream]:
+        return [sequence.stream for sequence in self._active.values()]
 
     def _take_inbox(self, active: dict[int, _Sequence], block: bool) -> bool:
         """Applies adds and aborts; False once asked to stop."""
@@ -216,6 +190,3 @@ class TransformersEngine(BaseEngine):
         text, finish = seq.text.add(token, params.stop_token_ids, params.ignore_eos, at_limit)
         self._post(seq.stream.put, RequestOutput(text=text, token_ids=[token], finish_reason=finish))
         return finish is not None
-
-    def _post(self, callback, argument) -> None:
-        self._loop.call_soon_threadsafe(callback, argument)

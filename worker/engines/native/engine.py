@@ -7,22 +7,21 @@ running sequence is preempted (its blocks freed, its tokens recomputed later).
 
 from __future__ import annotations
 
-import asyncio
 import queue
-import threading
 from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
 from worker.config import ConfigError
-from worker.engines.base import BaseEngine, ModelInfo, RequestStream
+from worker.engines.base import ModelInfo, RequestStream
 from worker.engines.detokenizer import OutputText
 from worker.engines.native.block_manager import BlockManager
 from worker.engines.native.model import Batch, load_model
 from worker.engines.prompt import encode_prompt
 from worker.engines.sampler import make_generator, sample
-from worker.errors import DeviceOutOfMemory, EngineDead
+from worker.engines.threaded import ThreadedEngine
+from worker.errors import DeviceOutOfMemory
 from worker.models import locate_model
 from worker.request import GenerationRequest, RequestOutput
 from worker.telemetry import get_logger
@@ -47,7 +46,7 @@ class Sequence:
     blocks: list[int] = field(default_factory=list)
 
 
-class NativeEngine(BaseEngine):
+class NativeEngine(ThreadedEngine):
     name = "native"
     preset_args = ("block_size", "max_num_batched_tokens", "max_num_seqs", "gpu_memory_utilization")
 
@@ -61,19 +60,8 @@ class NativeEngine(BaseEngine):
             raise ConfigError("engine.args.kv_cache_dtype", "the native engine keeps the KV cache in the model's dtype")
         self.model = self.tokenizer = self.device = None
         self.blocks: BlockManager | None = None
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []
-        self._dead: BaseException | None = None
-
-    async def load_model(self) -> ModelInfo:
-        self._loop = asyncio.get_running_loop()
-        await asyncio.to_thread(self._load)
-        self._thread = threading.Thread(target=self._run, name="native-engine", daemon=True)
-        self._thread.start()
-        return self.info
 
     def _load(self) -> None:
         from transformers import AutoTokenizer
@@ -118,11 +106,7 @@ class NativeEngine(BaseEngine):
             return int(min(free, total * float(self.args["gpu_memory_utilization"]) - weights) * 0.95)
         return 2 * GIB
 
-    async def unload_model(self) -> None:
-        if self._thread is not None:
-            self._inbox.put(("stop", None))
-            await asyncio.to_thread(self._thread.join)
-            self._thread = None
+    def _release(self) -> None:
         self.model = self.k_cache = self.v_cache = None
 
     def kv_budget_tokens(self) -> int:
@@ -143,10 +127,9 @@ class NativeEngine(BaseEngine):
         return encode_prompt(self.tokenizer, request)
 
     def stream_predict(self, request: GenerationRequest) -> RequestStream:
+        if (refused := self._refused(request.request_id)) is not None:
+            return refused
         stream = RequestStream(request.request_id)
-        if self._dead is not None:
-            stream.fail(EngineDead("engine stopped"))
-            return stream
         self._inbox.put(("add", Sequence(
             stream, request, make_generator(request.sampling, self.device),
             OutputText(self.tokenizer, request.prompt_token_ids, request.sampling.stop, self.eos_ids),
@@ -158,21 +141,14 @@ class NativeEngine(BaseEngine):
 
     # --- engine thread ---
 
-    def _run(self) -> None:
-        try:
-            while self._take_inbox(block=not (self._waiting or self._running)):
-                scheduled = self._schedule()
-                if scheduled:
-                    self._postprocess(scheduled, self._forward(scheduled))
-        except BaseException as exc:  # noqa: BLE001 - anything here means the engine cannot go on
-            self._dead = exc
-            log.error("native engine failed", error=repr(exc))
-            for seq in [*self._waiting, *self._running]:
-                self._post(seq.stream.fail, EngineDead(f"engine failed: {type(exc).__name__}"))
-            self._loop.call_soon_threadsafe(self._on_fatal, exc)
-            return
-        for seq in [*self._waiting, *self._running]:
-            self._post(seq.stream.put, RequestOutput(finish_reason="aborted"))
+    def _serve(self) -> None:
+        while self._take_inbox(block=not (self._waiting or self._running)):
+            scheduled = self._schedule()
+            if scheduled:
+                self._postprocess(scheduled, self._forward(scheduled))
+
+    def _open_streams(self) -> list[RequestStream]:
+        return [seq.stream for seq in [*self._waiting, *self._running]]
 
     def _take_inbox(self, block: bool) -> bool:
         while True:
@@ -281,6 +257,3 @@ class NativeEngine(BaseEngine):
             if finish is not None:
                 self._drop(seq)
             self._post(seq.stream.put, RequestOutput(text=text, token_ids=[token], finish_reason=finish))
-
-    def _post(self, callback, argument) -> None:
-        self._loop.call_soon_threadsafe(callback, argument)

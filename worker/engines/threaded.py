@@ -1,0 +1,83 @@
+"""ThreadedEngine: the plumbing of an engine whose model runs on one thread of its own.
+
+Requests reach the thread through an inbox; outputs cross back to the event loop with
+call_soon_threadsafe; an exception escaping the thread fails every open stream and is fatal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from abc import abstractmethod
+from typing import Any, Callable
+
+from worker.engines.base import BaseEngine, ModelInfo, RequestStream
+from worker.errors import EngineDead
+from worker.request import RequestOutput
+from worker.telemetry import get_logger
+
+log = get_logger(__name__)
+
+
+class ThreadedEngine(BaseEngine):
+    def __init__(self, config, on_fatal=None):
+        super().__init__(config, on_fatal)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._dead: BaseException | None = None
+
+    @abstractmethod
+    def _load(self) -> None:
+        """Loads the model (on a worker thread) and sets self.info."""
+
+    @abstractmethod
+    def _serve(self) -> None:
+        """The engine thread's loop; returns once ("stop", None) comes through the inbox."""
+
+    @abstractmethod
+    def _open_streams(self) -> list[RequestStream]:
+        """Streams of the requests the engine thread still holds."""
+
+    @abstractmethod
+    def _release(self) -> None:
+        """Drops the model and caches once the thread has stopped."""
+
+    async def load_model(self) -> ModelInfo:
+        self._loop = asyncio.get_running_loop()
+        await asyncio.to_thread(self._load)
+        self._thread = threading.Thread(target=self._thread_main, name=f"{self.name}-engine", daemon=True)
+        self._thread.start()
+        return self.info
+
+    async def unload_model(self) -> None:
+        if self._thread is not None:
+            self._inbox.put(("stop", None))
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
+        self._release()
+
+    def _refused(self, request_id: str) -> RequestStream | None:
+        """A stream already failed, when the engine thread has died."""
+        if self._dead is None:
+            return None
+        stream = RequestStream(request_id)
+        stream.fail(EngineDead("engine stopped"))
+        return stream
+
+    def _thread_main(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:  # noqa: BLE001 - anything here means the engine cannot go on
+            self._dead = exc
+            log.error("engine thread failed", engine=self.name, error=repr(exc))
+            for stream in self._open_streams():
+                self._post(stream.fail, EngineDead(f"engine failed: {type(exc).__name__}"))
+            self._loop.call_soon_threadsafe(self._on_fatal, exc)
+            return
+        for stream in self._open_streams():
+            self._post(stream.put, RequestOutput(finish_reason="aborted"))
+
+    def _post(self, callback: Callable[[Any], None], argument: Any) -> None:
+        self._loop.call_soon_threadsafe(callback, argument)
