@@ -44,6 +44,32 @@ class ThreadedEngine(BaseEngine):
     def _release(self) -> None:
         """Drops the model and caches once the thread has stopped."""
 
+    @abstractmethod
+    def _on_add(self, item: Any) -> None:
+        """A new request reached the engine thread."""
+
+    @abstractmethod
+    def _on_abort(self, stream: RequestStream) -> None:
+        """Drops the request of `stream`, if the engine still holds it."""
+
+    def abort(self, stream: RequestStream) -> None:
+        self._inbox.put(("abort", stream))
+
+    def _take_inbox(self, block: bool) -> bool:
+        """On the engine thread: applies adds and aborts; False once asked to stop."""
+        while True:
+            try:
+                kind, item = self._inbox.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if kind == "stop":
+                return False
+            if kind == "add":
+                self._on_add(item)
+            else:
+                self._on_abort(item)
+
     async def load_model(self) -> ModelInfo:
         self._loop = asyncio.get_running_loop()
         await asyncio.to_thread(self._load)

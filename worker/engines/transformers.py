@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import gc
 import os
-import queue
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -132,13 +131,10 @@ class TransformersEngine(ThreadedEngine):
         )))
         return stream
 
-    def abort(self, stream: RequestStream) -> None:
-        self._inbox.put(("abort", id(stream)))
-
     # --- engine thread ---
 
     def _serve(self) -> None:
-        while self._take_inbox(self._active, block=not self._active):
+        while self._take_inbox(block=not self._active):
             for key in list(self._active):
                 if self._step(self._active[key]):
                     del self._active[key]
@@ -147,21 +143,14 @@ class TransformersEngine(ThreadedEngine):
     def _open_streams(self) -> list[RequestStream]:
         return [sequence.stream for sequence in self._active.values()]
 
-    def _take_inbox(self, active: dict[int, _Sequence], block: bool) -> bool:
-        """Applies adds and aborts; False once asked to stop."""
-        while True:
-            try:
-                kind, item = self._inbox.get(block=block)
-            except queue.Empty:
-                return True
-            block = False
-            if kind == "stop":
-                return False
-            if kind == "add":
-                active[id(item.stream)] = item
-            elif (sequence := active.pop(item, None)) is not None:
-                self._post(sequence.stream.put, RequestOutput(finish_reason="aborted"))
-            self._unfinished = len(active)
+    def _on_add(self, sequence: _Sequence) -> None:
+        self._active[id(sequence.stream)] = sequence
+        self._unfinished = len(self._active)
+
+    def _on_abort(self, stream: RequestStream) -> None:
+        if self._active.pop(id(stream), None) is not None:
+            self._post(stream.put, RequestOutput(finish_reason="aborted"))
+        self._unfinished = len(self._active)
 
     def _step(self, seq: _Sequence) -> bool:
         """Runs one token of a sequence; True when it finished."""

@@ -7,7 +7,6 @@ running sequence is preempted (its blocks freed, its tokens recomputed later).
 
 from __future__ import annotations
 
-import queue
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -136,9 +135,6 @@ class NativeEngine(ThreadedEngine):
             list(request.prompt_token_ids))))
         return stream
 
-    def abort(self, stream: RequestStream) -> None:
-        self._inbox.put(("abort", stream))
-
     # --- engine thread ---
 
     def _serve(self) -> None:
@@ -150,21 +146,13 @@ class NativeEngine(ThreadedEngine):
     def _open_streams(self) -> list[RequestStream]:
         return [seq.stream for seq in [*self._waiting, *self._running]]
 
-    def _take_inbox(self, block: bool) -> bool:
-        while True:
-            try:
-                kind, item = self._inbox.get(block=block)
-            except queue.Empty:
-                return True
-            block = False
-            if kind == "stop":
-                return False
-            if kind == "add":
-                self._waiting.append(item)
-                continue
-            for seq in [s for s in [*self._waiting, *self._running] if s.stream is item]:
-                self._drop(seq)
-                self._post(seq.stream.put, RequestOutput(finish_reason="aborted"))
+    def _on_add(self, seq: Sequence) -> None:
+        self._waiting.append(seq)
+
+    def _on_abort(self, stream: RequestStream) -> None:
+        for seq in [s for s in [*self._waiting, *self._running] if s.stream is stream]:
+            self._drop(seq)
+            self._post(seq.stream.put, RequestOutput(finish_reason="aborted"))
 
     def _drop(self, seq: Sequence) -> None:
         self.blocks.release(seq.blocks)
