@@ -8,7 +8,8 @@
 
 Writes bench/results/sidecar.json and sidecar.png. Needs `cargo build --release` of sidecar/.
 
-    python bench/sidecar.py
+    python bench/sidecar.py                  # everything
+    python bench/sidecar.py --per-message    # only the per-message figure, printed
 """
 
 from __future__ import annotations
@@ -55,12 +56,13 @@ class Stack:
     """A worker and a sidecar in front of it."""
 
     def __init__(self, engine_args: list[str]):
+        binary = sidecar_binary()
         self.socket = f"{tempfile.mkdtemp(prefix='cyllm-bench-', dir='/tmp')}/w.sock"
         self.worker = subprocess.Popen(cy_llm("serve", "--socket", self.socket, "--set", "server.log_level=warning",
                                               *engine_args), cwd=REPO)
         wait_ready(self.socket, self.worker)
         self.port = free_port()
-        self.sidecar = subprocess.Popen([str(sidecar_binary()), f"--worker=unix://{self.socket}",
+        self.sidecar = subprocess.Popen([str(binary), f"--worker=unix://{self.socket}",
                                          "--grpc-addr", f"127.0.0.1:{self.port}", "--http-addr", f"127.0.0.1:{free_port()}",
                                          "--metrics-addr", f"127.0.0.1:{free_port()}", "--log", "warn"])
         with grpc.insecure_channel(f"127.0.0.1:{self.port}") as channel:
@@ -78,27 +80,42 @@ class Stack:
             proc.wait(30)
 
 
-async def paired_stream(direct: str, via: str, tokens: int, index: int) -> list[float]:
+def stream_arrivals(target: str, tokens: int, index: int, go, first_token) -> list[float]:
+    """One client process reading one stream: the arrival time (CLOCK_MONOTONIC, which every process
+    shares) of each token. Sets `first_token` when the first one is in."""
+    go.wait()
+    request = pb.PredictRequest(prompt=f"pair {index}", return_token_ids=True,
+                                sampling=pb.SamplingParams(max_tokens=tokens, ignore_eos=True))
+    times = []
+    with grpc.insecure_channel(target) as channel:
+        for response in pb_grpc.InferenceServiceStub(channel).StreamPredict(request):
+            times.extend([time.perf_counter()] * len(response.token_ids))
+            first_token.set()
+    return times
+
+
+def paired_stream(pool, direct: str, via: str, tokens: int, index: int, via_first: bool) -> list[float]:
     """Per-token arrival differences (sidecar - direct) in ms for one pair of streams made in lockstep.
 
-    One client reads both, so the sidecar's message can wait while the direct one is handled: the
-    figure leans against the sidecar, never for it.
+    Each stream has its own client process, so neither waits for the other to be read. The worker
+    writes the two streams one after the other within a step, so the one admitted first leaves first
+    by a few tens of microseconds: runs alternate which path is admitted first (the second starts
+    once the first has a token) and the estimate averages the two orders.
     """
-    async with grpc.aio.insecure_channel(direct) as a, grpc.aio.insecure_channel(via) as b:
-        await a.channel_ready()
-        await b.channel_ready()
+    import multiprocessing
 
-        async def arrivals(channel):
-            request = pb.PredictRequest(prompt=f"pair {index}", return_token_ids=True,
-                                        sampling=pb.SamplingParams(max_tokens=tokens, ignore_eos=True))
-            times = []
-            async for response in pb_grpc.InferenceServiceStub(channel).StreamPredict(request):
-                times.extend([time.perf_counter()] * len(response.token_ids))
-            return times
-
-        direct_times, via_times = await asyncio.gather(arrivals(a), arrivals(b))
+    manager = multiprocessing.Manager()
+    go, first_token, never = manager.Event(), manager.Event(), manager.Event()
+    first, second = (via, direct) if via_first else (direct, via)
+    leader = pool.apply_async(stream_arrivals, (first, tokens, index, go, first_token))
+    go.set()
+    first_token.wait(10)
+    follower = pool.apply_async(stream_arrivals, (second, tokens, index, go, never))
+    leader_times, follower_times = leader.get(60), follower.get(60)
+    manager.shutdown()
+    via_times, direct_times = (leader_times, follower_times) if via_first else (follower_times, leader_times)
     diffs = [v - d for d, v in zip(direct_times, via_times)]
-    # Both were made in the same steps up to a whole-step admission offset; remove it.
+    # Token k of both was made j steps apart (j whole steps of admission offset); remove them.
     step = STEP_MS / 1000
     offset = round(sorted(diffs)[len(diffs) // 2] / step) * step
     return [(d - offset) * 1000 for d in diffs[1:]]
@@ -115,6 +132,50 @@ def round_trips(target: str, count: int) -> list[float]:
             list(stub.StreamPredict(request))
             times.append((time.perf_counter() - started) * 1000)
     return times
+
+
+def added_per_message(pool, direct: str, via: str, runs: int) -> dict:
+    by_order: dict[str, list[float]] = {"direct_first": [], "via_first": []}
+    for i in range(runs):
+        via_first = i % 2 == 1
+        by_order["via_first" if via_first else "direct_first"].extend(paired_stream(pool, direct, via, 150, i, via_first))
+    p50 = {order: percentile(samples, 50) * 1000 for order, samples in by_order.items()}
+    p99 = {order: percentile(samples, 99) * 1000 for order, samples in by_order.items()}
+    return {"order_p50_us": p50, "order_p99_us": p99,
+            "added_us_p50": sum(p50.values()) / 2, "added_us_p99": sum(p99.values()) / 2,
+            "added_ms_samples": [round(a, 4) for samples in by_order.values() for a in samples]}
+
+
+def per_message(runs: int) -> dict:
+    """What the sidecar adds to each message, next to what a byte relay (socat, when installed)
+    adds on the same hop: the floor for any proxy process on this machine."""
+    import multiprocessing
+    import shutil
+
+    lockstep = Stack(["--engine", "synthetic", "--set", f"engine.args.step_ms={STEP_MS}",
+                      "--set", "resources.max_concurrency=64"])
+    relay = None
+    pool = multiprocessing.get_context("spawn").Pool(2)
+    try:
+        direct = f"unix:{lockstep.socket}"
+        result = added_per_message(pool, direct, f"127.0.0.1:{lockstep.port}", runs)
+        if shutil.which("socat"):
+            port = free_port()
+            relay = subprocess.Popen(["socat", f"TCP-LISTEN:{port},bind=127.0.0.1,fork,reuseaddr,nodelay",
+                                      f"UNIX-CONNECT:{lockstep.socket}"])
+            time.sleep(0.5)
+            floor = added_per_message(pool, direct, f"127.0.0.1:{port}", runs)
+            result["byte_relay"] = {k: v for k, v in floor.items() if k != "added_ms_samples"}
+    finally:
+        pool.close()
+        if relay is not None:
+            relay.terminate()
+            relay.wait()
+        lockstep.stop()
+    result["method"] = (f"{runs} runs of one direct and one proxied stream made in lockstep ({STEP_MS} ms steps), "
+                        "150 tokens each, each read by its own client process; the order of admission alternates "
+                        "and the estimate is the mean of the two orders' percentiles")
+    return result
 
 
 def plot(result: dict, path: Path) -> None:
@@ -136,9 +197,12 @@ def plot(result: dict, path: Path) -> None:
     tput.set_title("Synthetic engine at 100k tokens/s")
     tput.legend(loc="lower right")
     added = result["per_message"]["added_ms_samples"]
-    latency.hist(added, bins=60, color="tab:orange")
+    latency.hist(added, bins=80, range=(-0.5, 1.5), color="tab:orange")
     latency.axvline(result["per_message"]["added_us_p50"] / 1000, color="k", linestyle="--",
                     label=f"p50 {result['per_message']['added_us_p50']:.0f} us")
+    if "byte_relay" in result["per_message"]:
+        relay = result["per_message"]["byte_relay"]["added_us_p50"]
+        latency.axvline(relay / 1000, color="tab:green", linestyle=":", label=f"byte relay (socat) p50 {relay:.0f} us")
     latency.set_xlabel("added latency per message, ms (paired lockstep streams)")
     latency.set_title("What the sidecar adds to each streamed message")
     latency.legend()
@@ -148,6 +212,9 @@ def plot(result: dict, path: Path) -> None:
 
 def main() -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if sys.argv[1:] == ["--per-message"]:
+        print(json.dumps({k: v for k, v in per_message(runs=16).items() if k != "added_ms_samples"}, indent=1))
+        return 0
     result: dict = {"benchmark": "sidecar", "machine": f"{os.cpu_count()} cores", "when": time.strftime("%Y-%m-%d %H:%M")}
     stack = Stack(SYNTHETIC)
     try:
@@ -174,23 +241,10 @@ def main() -> int:
               f"{result['round_trip']['sidecar_ms_p50']:.2f} ms", flush=True)
     finally:
         stack.stop()
-    lockstep = Stack(["--engine", "synthetic", "--set", f"engine.args.step_ms={STEP_MS}",
-                      "--set", "resources.max_concurrency=64"])
-    try:
-        runs = [asyncio.run(paired_stream(f"unix:{lockstep.socket}", f"127.0.0.1:{lockstep.port}", 150, i))
-                for i in range(8)]
-        added = [a for run in runs for a in run]
-    finally:
-        lockstep.stop()
-    result["per_message"] = {
-        "method": f"8 runs of one direct and one sidecar stream made in lockstep ({STEP_MS} ms steps), "
-                  "150 tokens each, read by one client",
-        "run_p50_us": [percentile(run, 50) * 1000 for run in runs],
-        "added_us_p50": percentile(added, 50) * 1000, "added_us_p99": percentile(added, 99) * 1000,
-        "added_ms_samples": [round(a, 4) for a in added],
-    }
+    result["per_message"] = per_message(runs=16)
     print(f"added per message: p50 {result['per_message']['added_us_p50']:.0f} us, "
-          f"p99 {result['per_message']['added_us_p99']:.0f} us")
+          f"p99 {result['per_message']['added_us_p99']:.0f} us; byte relay "
+          f"{result['per_message'].get('byte_relay', {}).get('added_us_p50', float('nan')):.0f} us")
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "sidecar.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(result, RESULTS / "sidecar.png")

@@ -3,7 +3,9 @@
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     // A vendored protoc, so building needs nothing beyond cargo.
     std::env::set_var("PROTOC", protoc_bin_vendored::protoc_bin_path()?);
-    let proto_root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../proto");
+    // Read at run time: a build script compiled for one checkout may be reused by another that
+    // shares the target directory.
+    let proto_root = std::path::PathBuf::from(std::env::var("CARGO_MANIFEST_DIR")?).join("../proto");
     let proto = proto_root.join("cyllm/inference/v1/inference.proto");
     let descriptor = std::path::PathBuf::from(std::env::var("OUT_DIR")?).join("cyllm_descriptor.bin");
     tonic_prost_build::configure()

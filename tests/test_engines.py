@@ -169,7 +169,11 @@ def test_info_names_the_embedded_model(served):
     assert load.max_concurrency == 4, "the config's max_concurrency wins over the CPU preset's 8"
     info = control.GetInfo(pb.GetInfoRequest())
     assert info.engine in ("transformers", "native", "vllm") and list(info.models) == ["smollm2-135m-instruct"]
-    assert "cyllm_device_memory_used_bytes{device=\"cpu\"}" in control.Metrics(pb.MetricsRequest()).text
+    text = control.Metrics(pb.MetricsRequest()).text
+    assert "cyllm_device_memory_used_bytes{device=\"cpu\"}" in text
+    if info.engine == "native":  # the same chat prompt twice has shared its full blocks by now
+        hits = [line for line in text.splitlines() if line.startswith("cyllm_prefix_cache_hits_tokens_total ")]
+        assert hits and float(hits[0].split()[1]) > 0
 
 
 def test_openai_sdk_through_the_sidecar_answers_paris(served, sidecar):

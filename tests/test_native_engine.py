@@ -97,3 +97,105 @@ async def test_preemption_recomputes_to_the_same_tokens(hf_reference, embedded_m
         assert engine.blocks.num_free == engine.blocks.num_blocks
     finally:
         await engine.unload_model()
+
+
+async def test_prefix_cache_hits_give_the_same_tokens(hf_reference, embedded_model):
+    """The one-by-one run fills the cache; the batched run then takes each prompt's full blocks
+    from it and must still produce HF's tokens."""
+    _, prompts, expected = hf_reference
+    engine = engine_for(embedded_model)
+    await engine.load_model()
+    try:
+        assert await generate(engine, prompts[:3], together=False) == expected[:3]
+        before = engine.prefix_hit_tokens
+        assert await generate(engine, prompts, together=True) == expected
+        full_blocks = sum((len(ids) - 1) // engine.blocks.block_size for ids in prompts[:3])
+        assert full_blocks > 0
+        assert engine.prefix_hit_tokens - before >= full_blocks * engine.blocks.block_size
+        assert engine.prefix_queried_tokens >= engine.prefix_hit_tokens
+        assert engine.num_unfinished() == 0 and engine.blocks.num_free == engine.blocks.num_blocks
+    finally:
+        await engine.unload_model()
+
+
+async def test_requests_share_a_system_prompt(embedded_model):
+    """Different questions after one long system prompt: with the cache, later requests reuse the
+    first one's blocks and generate what they generate without it."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(embedded_model)
+    system = "You are a meticulous assistant for a library. Cite the shelf of every book you mention. " * 3
+    prompts = [tokenizer(system + q)["input_ids"] for q in ("Where is Dune?", "Who wrote Emma?", "Is Ulysses long?")]
+    results = {}
+    for caching in (False, True):
+        engine = engine_for(embedded_model, **{"engine.args": f"{{enable_prefix_caching: {str(caching).lower()}}}"})
+        await engine.load_model()
+        try:
+            first = await generate(engine, prompts[:1], together=False)
+            rest = await generate(engine, prompts[1:], together=True)
+            results[caching] = first + rest
+            shared_blocks = len(tokenizer(system)["input_ids"]) // engine.blocks.block_size
+            hits = engine.prefix_hit_tokens
+            assert hits >= (2 * shared_blocks * engine.blocks.block_size if caching else 0)
+        finally:
+            await engine.unload_model()
+    assert results[True] == results[False]
+
+
+def test_block_manager_shares_refcounts_and_evicts_least_recently_freed():
+    from worker.engines.native.block_manager import BlockManager, BlockTable
+
+    blocks = BlockManager(num_blocks=6, block_size=4)
+    tokens = list(range(10))  # two full blocks and a partial one
+    first = BlockTable()
+    blocks.grow(first, len(tokens))
+    blocks.commit(first, tokens, len(tokens))
+    assert len(first.hashes) == 2
+
+    second = BlockTable()
+    assert blocks.match_prefix(second, tokens + [99]) == (8, 8)
+    assert second.blocks == first.blocks[:2]
+    assert blocks.num_free == 3  # shared blocks are held once
+    # A different second block shares only the first.
+    other = BlockTable()
+    assert blocks.match_prefix(other, tokens[:4] + [7, 7, 7, 7, 1]) == (4, 8)
+
+    for table in (first, second, other):
+        blocks.release(table)
+    assert blocks.num_free == 6
+    # Freed but cached: a new lookup still finds them.
+    again = BlockTable()
+    assert blocks.match_prefix(again, tokens) == (8, 8)
+    blocks.release(again)
+    # Taking every free block evicts the cached ones; after that nothing matches.
+    hog = BlockTable()
+    blocks.grow(hog, 6 * 4)
+    blocks.release(hog)
+    assert blocks.match_prefix(BlockTable(), tokens) == (0, 8)
+
+
+def test_block_manager_evicts_a_shared_prefix_last():
+    from worker.engines.native.block_manager import BlockManager, BlockTable
+
+    blocks = BlockManager(num_blocks=4, block_size=2)
+    tokens = [1, 2, 3, 4, 5, 6, 7]
+    table = BlockTable()
+    blocks.grow(table, len(tokens))
+    blocks.commit(table, tokens, len(tokens))
+    blocks.release(table)
+    # Two new blocks take the least recently freed: the partial tail, then the last full block;
+    # the head of the prefix stays cached.
+    one = BlockTable()
+    blocks.grow(one, 4)
+    assert blocks.match_prefix(BlockTable(), tokens)[0] == 4
+    blocks.release(one)
+
+
+def test_block_manager_without_prefix_caching_shares_nothing():
+    from worker.engines.native.block_manager import BlockManager, BlockTable
+
+    blocks = BlockManager(num_blocks=4, block_size=2, prefix_caching=False)
+    table = BlockTable()
+    blocks.grow(table, 5)
+    blocks.commit(table, [1, 2, 3, 4, 5], 5)
+    assert blocks.match_prefix(BlockTable(), [1, 2, 3, 4, 5]) == (0, 0)

@@ -245,7 +245,7 @@ class Worker:
         self.scheduler = TaskScheduler(
             max_concurrency=resources.max_concurrency, max_queue=resources.max_queue,
             queue_timeout_s=resources.queue_timeout_s, budget_tokens=0)
-        self.metrics.watch(self.scheduler, self.engine.get_memory_usage, self.engine.num_unfinished)
+        self.metrics.watch(self.scheduler, self.engine)
         self.inference = InferenceServicer(self.engine, self.scheduler, self.metrics, config)
         self.inference.on_repeated_faults = lambda: self.request_shutdown(0.0, exit_code=1)
         self.health = health.aio.HealthServicer()

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, CounterMetricFamily
 
 if TYPE_CHECKING:
+    from worker.engines.base import BaseEngine
     from worker.scheduler import TaskScheduler
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -33,22 +34,19 @@ class Metrics:
         self.prompt_tokens = Counter("cyllm_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter("cyllm_generation_tokens", "Tokens generated", registry=r)
 
-    def watch(self, scheduler: TaskScheduler, memory: Callable[[], dict[str, int]],
-              engine_unfinished: Callable[[], int]) -> None:
+    def watch(self, scheduler: TaskScheduler, engine: BaseEngine) -> None:
         """Reads queue, running, budget and rejections off the scheduler, and the engine's own
-        count of requests, at scrape time."""
-        self.registry.register(_SchedulerCollector(scheduler, memory, engine_unfinished))
+        count of requests, memory and prefix cache, at scrape time."""
+        self.registry.register(_SchedulerCollector(scheduler, engine))
 
     def render(self) -> str:
         return generate_latest(self.registry).decode()
 
 
 class _SchedulerCollector:
-    def __init__(self, scheduler: TaskScheduler, memory: Callable[[], dict[str, int]],
-                 engine_unfinished: Callable[[], int]):
+    def __init__(self, scheduler: TaskScheduler, engine: BaseEngine):
         self.scheduler = scheduler
-        self.memory = memory
-        self.engine_unfinished = engine_unfinished
+        self.engine = engine
 
     def describe(self) -> Iterable:
         return []
@@ -62,7 +60,7 @@ class _SchedulerCollector:
             ("cyllm_kv_budget_total_tokens", "KV budget the engine can hold", load.budget_total),
             ("cyllm_max_concurrency", "Concurrency slots", load.max_concurrency),
             ("cyllm_draining", "1 while the worker drains", int(load.draining)),
-            ("cyllm_engine_unfinished_requests", "Requests the engine itself still holds", self.engine_unfinished()),
+            ("cyllm_engine_unfinished_requests", "Requests the engine itself still holds", self.engine.num_unfinished()),
         ):
             yield GaugeMetricFamily(name, help_text, value=value)
         rejections = CounterMetricFamily("cyllm_rejections", "Requests refused admission, by reason",
@@ -72,9 +70,14 @@ class _SchedulerCollector:
         yield rejections
         memory = GaugeMetricFamily("cyllm_device_memory_used_bytes", "Memory in use per device",
                                    labels=["device"])
-        for device, used in self.memory().items():
+        for device, used in self.engine.get_memory_usage().items():
             memory.add_metric([device], used)
         yield memory
+        if (prefix := self.engine.prefix_cache_stats()) is not None:
+            yield CounterMetricFamily("cyllm_prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache",
+                                      value=prefix[0])
+            yield CounterMetricFamily("cyllm_prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache",
+                                      value=prefix[1])
 
 
 def configure_logging(level: str = "info") -> None:

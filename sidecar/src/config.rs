@@ -67,6 +67,9 @@ pub struct Args {
     /// How often each worker's GetLoad is read.
     #[arg(long, env = "CYLLM_SIDECAR_LOAD_POLL_S", default_value_t = 1.0)]
     pub load_poll_s: f64,
+    /// Runtime worker threads; 0 for one per available core, 1 for a single-threaded runtime.
+    #[arg(long, env = "CYLLM_SIDECAR_THREADS", default_value_t = 0)]
+    pub threads: usize,
     /// tracing filter, e.g. info or cy_llm_sidecar=debug.
     #[arg(long, env = "CYLLM_SIDECAR_LOG", default_value = "info")]
     pub log: String,

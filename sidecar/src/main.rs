@@ -29,9 +29,21 @@ use crate::grpc::{auth_interceptor, InferenceProxy};
 use crate::pool::Pool;
 use crate::proto::inference_service_server::InferenceServiceServer;
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    let mut runtime = match args.threads {
+        1 => tokio::runtime::Builder::new_current_thread(),
+        0 => tokio::runtime::Builder::new_multi_thread(),
+        n => {
+            let mut builder = tokio::runtime::Builder::new_multi_thread();
+            builder.worker_threads(n);
+            builder
+        }
+    };
+    runtime.enable_all().build()?.block_on(serve(args))
+}
+
+async fn serve(args: Args) -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .json()
         .with_env_filter(tracing_subscriber::EnvFilter::try_new(&args.log)?)

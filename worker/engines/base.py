@@ -124,6 +124,11 @@ class BaseEngine(ABC):
     def num_unfinished(self) -> int:
         """Requests the engine itself still holds (0 once every stream ended or was aborted)."""
 
+    def prefix_cache_stats(self) -> tuple[int, int] | None:
+        """(prompt tokens looked up in the prefix cache, tokens found there) since start; None
+        for an engine whose prefix cache is not visible here."""
+        return None
+
     def check_token_ids(self, token_ids: list[int] | tuple[int, ...], field_name: str) -> None:
         vocab = self.info.vocab_size
         for token_id in token_ids:

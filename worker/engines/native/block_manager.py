@@ -1,15 +1,40 @@
-"""Fixed-size KV blocks: a free list, and each sequence's block table grown as its tokens need."""
+"""Fixed-size KV blocks with prefix sharing.
+
+Each sequence has a block table grown as its tokens need. A block once full is named by a hash of
+its tokens chained to its parent's, so equal prefixes have equal names: a new sequence takes the
+cached blocks of its longest full-block prefix instead of recomputing them. Blocks are reference
+counted; one that no sequence holds stays cached until the least recently freed is reused.
+"""
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+
+@dataclass
+class BlockTable:
+    """A sequence's blocks in order, and the hashes of the leading ones that are full."""
+
+    blocks: list[int] = field(default_factory=list)
+    hashes: list[bytes] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.blocks)
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True):
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self.prefix_caching = prefix_caching
+        self._refs = [0] * num_blocks
+        # Blocks no sequence holds, least recently freed first; cached ones among them keep their hash.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached: dict[bytes, int] = {}  # hash -> block
+        self._hash_of: dict[int, bytes] = {}  # block -> hash
 
     @property
     def num_free(self) -> int:
@@ -18,14 +43,66 @@ class BlockManager:
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
-    def can_grow(self, table: list[int], tokens: int) -> bool:
+    def can_grow(self, table: BlockTable, tokens: int) -> bool:
         return self.blocks_for(tokens) - len(table) <= len(self._free)
 
-    def grow(self, table: list[int], tokens: int) -> None:
+    def grow(self, table: BlockTable, tokens: int) -> None:
         """Extends `table` to hold `tokens` tokens; the caller checked can_grow."""
         while len(table) < self.blocks_for(tokens):
-            table.append(self._free.popleft())
+            block, _ = self._free.popitem(last=False)
+            self._uncache(block)
+            self._refs[block] = 1
+            table.blocks.append(block)
 
-    def release(self, table: list[int]) -> None:
-        self._free.extend(table)
-        table.clear()
+    def match_prefix(self, table: BlockTable, tokens: list[int]) -> tuple[int, int]:
+        """Takes the cached blocks of the longest full-block prefix of `tokens` into an empty table.
+        Returns (tokens they hold, tokens that could have been shared). The last token is always
+        left to compute: its logits are needed."""
+        if not self.prefix_caching:
+            return 0, 0
+        usable = (len(tokens) - 1) // self.block_size
+        parent = None
+        for index in range(usable):
+            digest = self._hash(parent, tokens, index)
+            block = self._cached.get(digest)
+            if block is None:
+                break
+            if self._refs[block] == 0:
+                del self._free[block]
+            self._refs[block] += 1
+            table.blocks.append(block)
+            table.hashes.append(digest)
+            parent = digest
+        return len(table) * self.block_size, usable * self.block_size
+
+    def commit(self, table: BlockTable, tokens: list[int], num_computed: int) -> None:
+        """Names the blocks that `num_computed` computed tokens have filled, so others can share them."""
+        if not self.prefix_caching:
+            return
+        for index in range(len(table.hashes), num_computed // self.block_size):
+            digest = self._hash(table.hashes[-1] if table.hashes else None, tokens, index)
+            table.hashes.append(digest)
+            block = table.blocks[index]
+            if digest not in self._cached:  # else an equal block is cached already; this one stays private
+                self._cached[digest] = block
+                self._hash_of[block] = digest
+
+    def release(self, table: BlockTable) -> None:
+        """Gives back a finished, aborted or preempted sequence's blocks; the last ones are freed
+        first, so a shared prefix outlives the tails that hang off it."""
+        for block in reversed(table.blocks):
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                self._free[block] = None
+        table.blocks.clear()
+        table.hashes.clear()
+
+    def _uncache(self, block: int) -> None:
+        digest = self._hash_of.pop(block, None)
+        if digest is not None:
+            del self._cached[digest]
+
+    def _hash(self, parent: bytes | None, tokens: list[int], index: int) -> bytes:
+        # A cryptographic hash: a collision would hand one prompt another's KV.
+        chunk = array("q", tokens[index * self.block_size:(index + 1) * self.block_size]).tobytes()
+        return hashlib.sha256((parent or b"") + chunk).digest()

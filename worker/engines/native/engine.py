@@ -15,7 +15,7 @@ import torch
 from worker.config import ConfigError
 from worker.engines.base import ModelInfo, RequestStream
 from worker.engines.detokenizer import OutputText
-from worker.engines.native.block_manager import BlockManager
+from worker.engines.native.block_manager import BlockManager, BlockTable
 from worker.engines.native.model import Batch, load_model
 from worker.engines.prompt import encode_prompt
 from worker.engines.sampler import make_generator, sample
@@ -29,7 +29,7 @@ log = get_logger(__name__)
 GIB = 1 << 30
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ARGS = {"block_size": 16, "max_num_batched_tokens": 2048, "max_num_seqs": 64, "gpu_memory_utilization": 0.9,
-        "kv_cache_dtype": "auto"}
+        "kv_cache_dtype": "auto", "enable_prefix_caching": True}
 
 
 @dataclass(eq=False)
@@ -42,7 +42,7 @@ class Sequence:
     """Prompt then generated tokens: what the cache must hold (recomputed after a preemption)."""
     output_ids: list[int] = field(default_factory=list)
     num_cached: int = 0
-    blocks: list[int] = field(default_factory=list)
+    blocks: BlockTable = field(default_factory=BlockTable)
 
 
 class NativeEngine(ThreadedEngine):
@@ -61,6 +61,7 @@ class NativeEngine(ThreadedEngine):
         self.blocks: BlockManager | None = None
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []
+        self.prefix_queried_tokens = self.prefix_hit_tokens = 0
 
     def _load(self) -> None:
         from transformers import AutoTokenizer
@@ -81,7 +82,7 @@ class NativeEngine(ThreadedEngine):
         num_blocks = int(self._kv_memory() // bytes_per_block)
         if num_blocks < 2:
             raise ConfigError("resources.memory_limit_gib", "too little memory for the KV cache")
-        self.blocks = BlockManager(num_blocks, block_size)
+        self.blocks = BlockManager(num_blocks, block_size, prefix_caching=bool(self.args["enable_prefix_caching"]))
         # (layers, slots, kv_heads, head_dim): slot = block * block_size + offset.
         shape = (c.num_layers, num_blocks * block_size, c.num_kv_heads, c.head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
@@ -113,6 +114,9 @@ class NativeEngine(ThreadedEngine):
 
     def num_unfinished(self) -> int:
         return len(self._waiting) + len(self._running)
+
+    def prefix_cache_stats(self) -> tuple[int, int] | None:
+        return (self.prefix_queried_tokens, self.prefix_hit_tokens) if self.blocks else None
 
     def get_memory_usage(self) -> dict[str, int]:
         if self.device is not None and self.device.type == "cuda":
@@ -179,9 +183,18 @@ class NativeEngine(ThreadedEngine):
                 budget -= 1
         while self._waiting and budget > 0 and len(self._running) < int(self.args["max_num_seqs"]):
             seq = self._waiting[0]
+            starting = not seq.blocks
+            if starting:
+                seq.num_cached, queried = self.blocks.match_prefix(seq.blocks, seq.tokens)
             chunk = min(len(seq.tokens) - seq.num_cached, budget)
             if not self.blocks.can_grow(seq.blocks, seq.num_cached + chunk):
+                if starting:  # a waiting sequence holds no blocks until it runs
+                    self.blocks.release(seq.blocks)
+                    seq.num_cached = 0
                 break
+            if starting:
+                self.prefix_queried_tokens += queried
+                self.prefix_hit_tokens += seq.num_cached
             self.blocks.grow(seq.blocks, seq.num_cached + chunk)
             scheduled.append((seq, chunk))
             budget -= chunk
@@ -205,13 +218,13 @@ class NativeEngine(ThreadedEngine):
             ids.extend(seq.tokens[start:start + count])
             for position in range(start, start + count):
                 positions.append(position)
-                slots.append(seq.blocks[position // block_size] * block_size + position % block_size)
+                slots.append(seq.blocks.blocks[position // block_size] * block_size + position % block_size)
             last.append(len(ids) - 1)
         device = self.device
         batch = Batch(
             input_ids=torch.tensor(ids, device=device), positions=torch.tensor(positions, device=device),
             slots=torch.tensor(slots, device=device), query_lens=[c for _, c in scheduled],
-            context_lens=[s.num_cached + c for s, c in scheduled], block_tables=[s.blocks for s, _ in scheduled],
+            context_lens=[s.num_cached + c for s, c in scheduled], block_tables=[s.blocks.blocks for s, _ in scheduled],
             last_token_index=torch.tensor(last, device=device), block_size=block_size)
         try:
             return self.model(batch, self.k_cache, self.v_cache)
@@ -229,6 +242,7 @@ class NativeEngine(ThreadedEngine):
         rows, ready = [], []
         for row, (seq, count) in enumerate(scheduled):
             seq.num_cached += count
+            self.blocks.commit(seq.blocks, seq.tokens, seq.num_cached)
             if seq.num_cached == len(seq.tokens):  # its last known token ran: it gets a new one
                 rows.append(row)
                 ready.append(seq)
