@@ -46,6 +46,8 @@ def free_port() -> int:
 
 
 def sidecar_binary() -> Path:
+    if os.environ.get("CYLLM_SIDECAR_BIN"):  # a prebuilt binary, for a machine without cargo
+        return Path(os.environ["CYLLM_SIDECAR_BIN"])
     target = Path(os.environ.get("CARGO_TARGET_DIR", Path.home() / ".cache" / "cy-llm" / "cargo-target"))
     subprocess.run(["cargo", "build", "--release", "--quiet"], cwd=REPO / "sidecar", check=True,
                    env={**os.environ, "CARGO_TARGET_DIR": str(target)})

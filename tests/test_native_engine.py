@@ -199,3 +199,22 @@ def test_block_manager_without_prefix_caching_shares_nothing():
     blocks.grow(table, 5)
     blocks.commit(table, [1, 2, 3, 4, 5], 5)
     assert blocks.match_prefix(BlockTable(), [1, 2, 3, 4, 5]) == (0, 0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton decode kernel runs on CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_decode_matches_the_gather_path(dtype):
+    from worker.engines.native.attention import _decode_gather, _decode_triton
+
+    torch.manual_seed(0)
+    block_size, blocks, kv_heads, dim, heads = 16, 64, 3, 64, 9  # SmolLM2's grouping: 3 query heads per KV head
+    k = torch.randn(blocks * block_size, kv_heads, dim, device="cuda", dtype=dtype)
+    v = torch.randn_like(k)
+    lens = torch.tensor([1, 16, 17, 0, 300, 64], dtype=torch.int32, device="cuda")
+    tables = torch.randperm(blocks, device="cuda")[:6 * 10].reshape(6, 10).to(torch.int32).contiguous()
+    tables[4, :] = torch.randperm(blocks, device="cuda")[:10].to(torch.int32)
+    tables = torch.cat([tables, torch.randint(0, blocks, (6, 10), device="cuda", dtype=torch.int32)], dim=1)
+    q = torch.randn(6, heads, dim, device="cuda", dtype=dtype)
+    expected = _decode_gather(q, k, v, tables, lens, block_size)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(_decode_triton(q, k, v, tables, lens, block_size), expected, atol=tolerance, rtol=tolerance)

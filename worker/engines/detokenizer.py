@@ -16,6 +16,13 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Any, prompt_ids: list[int]):
         self.tokenizer = tokenizer
+        # A fast tokenizer's Rust decode, without transformers' per-call Python around it, when
+        # that wrapper would not change the text (it only adds the clean-up of spaces).
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+            self._decode = lambda ids: backend.decode(ids, skip_special_tokens=True)
+        else:
+            self._decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
         context = prompt_ids[-6:]
         self.ids: list[int] = list(context)
         self.prefix_offset = 0
@@ -29,9 +36,8 @@ class IncrementalDetokenizer:
         return self._advance(final=True)
 
     def _advance(self, final: bool) -> str:
-        decode = self.tokenizer.decode
-        prefix = decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=True)
-        full = decode(self.ids[self.prefix_offset:], skip_special_tokens=True)
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
         if len(full) <= len(prefix) or (full.endswith(REPLACEMENT) and not final):
             return ""
         self.prefix_offset = self.read_offset

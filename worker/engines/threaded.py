@@ -107,3 +107,13 @@ class ThreadedEngine(BaseEngine):
 
     def _post(self, callback: Callable[[Any], None], argument: Any) -> None:
         self._loop.call_soon_threadsafe(callback, argument)
+
+    def _post_all(self, calls: list[tuple[Callable[[Any], None], Any]]) -> None:
+        """Several calls in one wake-up of the loop (each call_soon_threadsafe writes to its self-pipe)."""
+        if calls:
+            self._loop.call_soon_threadsafe(_run_all, calls)
+
+
+def _run_all(calls: list[tuple[Callable[[Any], None], Any]]) -> None:
+    for callback, argument in calls:
+        callback(argument)

@@ -29,7 +29,7 @@ log = get_logger(__name__)
 GIB = 1 << 30
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ARGS = {"block_size": 16, "max_num_batched_tokens": 2048, "max_num_seqs": 64, "gpu_memory_utilization": 0.9,
-        "kv_cache_dtype": "auto", "enable_prefix_caching": True}
+        "kv_cache_dtype": "auto", "enable_prefix_caching": True, "enforce_eager": False}
 
 
 @dataclass(eq=False)
@@ -83,19 +83,28 @@ class NativeEngine(ThreadedEngine):
         if num_blocks < 2:
             raise ConfigError("resources.memory_limit_gib", "too little memory for the KV cache")
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching=bool(self.args["enable_prefix_caching"]))
-        # (layers, slots, kv_heads, head_dim): slot = block * block_size + offset.
-        shape = (c.num_layers, num_blocks * block_size, c.num_kv_heads, c.head_dim)
+        # (layers, slots, kv_heads, head_dim): slot = block * block_size + offset. One block more
+        # than the manager hands out: the CUDA graphs' padding rows write there.
+        shape = (c.num_layers, (num_blocks + 1) * block_size, c.num_kv_heads, c.head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.graphs = None
+        max_model_len = engine.max_model_len or c.max_position_embeddings
+        if self.device.type == "cuda" and not self.args["enforce_eager"]:
+            from worker.engines.native.graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self.model, self.k_cache, self.v_cache, int(self.args["max_num_seqs"]),
+                                       -(-max_model_len // block_size), block_size, num_blocks * block_size)
         self.eos_ids = frozenset(c.eos_token_ids) | ({self.tokenizer.eos_token_id} - {None})
         self.info = ModelInfo(
             served_name=engine.served_name or (engine.model if "/" not in engine.model else folder.name),
-            max_model_len=engine.max_model_len or c.max_position_embeddings,
+            max_model_len=max_model_len,
             vocab_size=max(c.vocab_size, len(self.tokenizer)),
             kv_bytes_per_token=bytes_per_block // block_size,
         )
         log.info("native engine ready", folder=str(folder), device=str(self.device), dtype=str(dtype),
-                 kv_blocks=num_blocks, block_size=block_size, budget_tokens=num_blocks * block_size)
+                 kv_blocks=num_blocks, block_size=block_size, budget_tokens=num_blocks * block_size,
+                 cuda_graphs=self.graphs.sizes if self.graphs else None)
 
     def _kv_memory(self) -> int:
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -107,7 +116,9 @@ class NativeEngine(ThreadedEngine):
         return 2 * GIB
 
     def _release(self) -> None:
-        self.model = self.k_cache = self.v_cache = None
+        self.model = self.k_cache = self.v_cache = self.graphs = None
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.empty_cache()  # so the next engine in this process sees the memory as free
 
     def kv_budget_tokens(self) -> int:
         return self.blocks.num_blocks * self.blocks.block_size if self.blocks else 0
@@ -169,12 +180,14 @@ class NativeEngine(ThreadedEngine):
         """(sequence, tokens this step): a decode token for each running one, then prefill chunks."""
         budget = int(self.args["max_num_batched_tokens"])
         scheduled: list[tuple[Sequence, int]] = []
+        preempted: set[int] = set()
         for seq in list(self._running):
-            if seq not in self._running:
+            if id(seq) in preempted:
                 continue  # preempted below to make room for an older one
             while not self.blocks.can_grow(seq.blocks, seq.num_cached + 1):
                 victim = self._running[-1]
                 self._preempt(victim)
+                preempted.add(id(victim))
                 if victim is seq:
                     break
             else:
@@ -221,6 +234,9 @@ class NativeEngine(ThreadedEngine):
                 slots.append(seq.blocks.blocks[position // block_size] * block_size + position % block_size)
             last.append(len(ids) - 1)
         device = self.device
+        if self.graphs is not None and len(ids) == len(scheduled) <= self.graphs.max_batch:
+            return self.graphs.run(ids, positions, slots, [s.blocks.blocks for s, _ in scheduled],
+                                   [s.num_cached + 1 for s, _ in scheduled])
         batch = Batch(
             input_ids=torch.tensor(ids, device=device), positions=torch.tensor(positions, device=device),
             slots=torch.tensor(slots, device=device), query_lens=[c for _, c in scheduled],
@@ -250,6 +266,7 @@ class NativeEngine(ThreadedEngine):
             return
         tokens = sample(logits[rows], [s.request.sampling for s in ready], [s.generator for s in ready],
                         [s.request.prompt_token_ids for s in ready], [s.output_ids for s in ready])
+        outputs = []
         for seq, token in zip(ready, tokens):
             params = seq.request.sampling
             seq.tokens.append(token)
@@ -258,4 +275,5 @@ class NativeEngine(ThreadedEngine):
             text, finish = seq.text.add(token, params.stop_token_ids, params.ignore_eos, at_limit)
             if finish is not None:
                 self._drop(seq)
-            self._post(seq.stream.put, RequestOutput(text=text, token_ids=[token], finish_reason=finish))
+            outputs.append((seq.stream.put, RequestOutput(text=text, token_ids=[token], finish_reason=finish)))
+        self._post_all(outputs)

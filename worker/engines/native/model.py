@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.engines.native.attention import decode_attention, prefill_attention
+
 SUPPORTED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
 
 
@@ -71,23 +73,44 @@ class Batch:
     block_tables: list[list[int]]  # per sequence: its blocks, in order
     last_token_index: torch.Tensor  # (S,) index into T of each sequence's last token
     block_size: int
-    context_slots: list[torch.Tensor] | None = None  # per sequence: (context_len,) cache slots, in order
-    masks: list[torch.Tensor | None] | None = None  # per sequence: (query_len, context_len) causal mask
+    # Filled by prepare(), or given directly (a CUDA graph's static decode batch):
+    prefills: list[tuple[int, int, torch.Tensor, torch.Tensor | None]] | None = None
+    """Sequences with several new tokens after cached ones: (offset in T, query_len, context slots, causal mask)."""
+    fresh: list[torch.Tensor] | None = None
+    """Sequences whose context is only this step's tokens, grouped by length: (n, L) rows of T each."""
+    decode_index: torch.Tensor | None = None  # (N,) rows of T that are one-token decodes; None: all of T
+    decode_tables: torch.Tensor | None = None  # (N, max_blocks) int32, zero-padded
+    decode_lens: torch.Tensor | None = None  # (N,) int32 context lengths
 
     def prepare(self) -> Batch:
         """Per-step index work, done once here rather than in every layer."""
         device = self.input_ids.device
         offsets = torch.arange(self.block_size, device=device)
-        self.context_slots, self.masks = [], []
-        for query_len, context_len, blocks in zip(self.query_lens, self.context_lens, self.block_tables):
-            table = torch.tensor(blocks, device=device)
-            self.context_slots.append((table[:, None] * self.block_size + offsets[None, :]).reshape(-1)[:context_len])
+        self.prefills, decodes, start = [], [], 0
+        fresh: dict[int, list[int]] = {}
+        for index, (query_len, context_len, blocks) in enumerate(zip(self.query_lens, self.context_lens, self.block_tables)):
             if query_len == 1:
-                self.masks.append(None)  # a decode token sees its whole context
+                decodes.append(index)
+            elif query_len == context_len:
+                fresh.setdefault(query_len, []).append(start)
             else:
+                table = torch.tensor(blocks, device=device)
+                slots = (table[:, None] * self.block_size + offsets[None, :]).reshape(-1)[:context_len]
                 # Query i sits at context position context_len - query_len + i and sees up to it.
-                self.masks.append(torch.arange(context_len, device=device)[None, :]
-                                  <= (context_len - query_len + torch.arange(query_len, device=device))[:, None])
+                mask = (torch.arange(context_len, device=device)[None, :]
+                        <= (context_len - query_len + torch.arange(query_len, device=device))[:, None])
+                self.prefills.append((start, query_len, slots, mask))
+            start += query_len
+        self.fresh = [torch.tensor(starts, device=device)[:, None] + torch.arange(length, device=device)[None, :]
+                      for length, starts in fresh.items()]
+        if decodes:
+            width = max(len(self.block_tables[i]) for i in decodes)
+            tables = [self.block_tables[i] + [0] * (width - len(self.block_tables[i])) for i in decodes]
+            self.decode_tables = torch.tensor(tables, dtype=torch.int32, device=device)
+            self.decode_lens = torch.tensor([self.context_lens[i] for i in decodes], dtype=torch.int32, device=device)
+            if len(decodes) < len(self.query_lens):
+                rows = torch.tensor(self.query_lens, device=device).cumsum(0) - 1
+                self.decode_index = rows[torch.tensor(decodes, device=device)]
         return self
 
 
@@ -129,22 +152,14 @@ class Attention(nn.Module):
         # k_cache, v_cache: (num_blocks * block_size, kv_heads, head_dim), written slot by slot.
         k_cache.index_copy_(0, batch.slots, k)
         v_cache.index_copy_(0, batch.slots, v)
-        return self.o_proj(paged_attention(q, batch, k_cache, v_cache, self.num_kv_heads).reshape(tokens, -1))
-
-
-def paged_attention(q: torch.Tensor, batch: Batch, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    num_kv_heads: int) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens over its cached context. q (T, H, D) -> (T, H, D)."""
-    out = torch.empty_like(q)
-    start = 0
-    for query_len, slots, mask in zip(batch.query_lens, batch.context_slots, batch.masks):
-        k = k_cache[slots].transpose(0, 1)  # (kv_heads, C, D)
-        v = v_cache[slots].transpose(0, 1)
-        qs = q[start:start + query_len].transpose(0, 1)  # (H, Q, D)
-        out[start:start + query_len] = F.scaled_dot_product_attention(
-            qs, k, v, attn_mask=mask, enable_gqa=True).transpose(0, 1)
-        start += query_len
-    return out
+        if not batch.prefills and not batch.fresh:  # every token a decode: the common step, and the CUDA graph's
+            out = decode_attention(q, k_cache, v_cache, batch.decode_tables, batch.decode_lens, batch.block_size)
+        else:
+            out = prefill_attention(q, k, v, k_cache, v_cache, batch.fresh, batch.prefills)
+            if batch.decode_tables is not None:
+                out[batch.decode_index] = decode_attention(q[batch.decode_index], k_cache, v_cache, batch.decode_tables,
+                                                           batch.decode_lens, batch.block_size)
+        return self.o_proj(out.reshape(tokens, -1))
 
 
 class DecoderLayer(nn.Module):
@@ -187,7 +202,7 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: Batch, k_caches: torch.Tensor, v_caches: torch.Tensor) -> torch.Tensor:
         """Logits of each sequence's last token: (S, vocab)."""
-        if batch.context_slots is None:
+        if batch.prefills is None:
             batch.prepare()
         x = self.embed_tokens(batch.input_ids)
         freqs = batch.positions.float()[:, None] * self.inv_freq[None, :]

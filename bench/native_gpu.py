@@ -1,0 +1,282 @@
+"""The native engine on a GPU next to HF transformers, in one run.
+
+For each model shape (random weights, default RoPE; a word-level tokenizer of the shape's vocabulary):
+1. equivalence (first shape, fp32): greedy ids of the native engine (CUDA graphs, Triton decode)
+   against HF's forward for prompts one by one and batched with a shared prefix; one step's logits;
+2. throughput, bf16, 128 prompt / 256 new tokens at each batch: the native engine (all requests
+   submitted at once) and HF `generate` (eager, static batch); time from start to ready;
+3. the HBM roofline at batch 1: weight bytes / measured device copy bandwidth;
+4. prefix sharing (first shape): 64 requests after one 1,024-token system prompt, cache on and off.
+
+Writes bench/results/native_gpu.json and native_gpu.png.
+
+    python bench/native_gpu.py [--shapes llama-3.2-1b,llama-3.1-8b] [--batches 1,16,64,256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from worker.config import load_config  # noqa: E402
+from worker.engines.native.engine import NativeEngine  # noqa: E402
+from worker.loadgen import percentile  # noqa: E402
+from worker.request import GenerationRequest, SamplingParams  # noqa: E402
+
+RESULTS = REPO / "bench" / "results"
+SHAPES = {
+    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True),
+    "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False),
+}
+SHAPES["tiny"] = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, vocab_size=1000, tie_word_embeddings=True)  # a smoke test
+PROMPT, NEW = 128, 256
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def make_folder(shape: dict, dtype: torch.dtype, folder: Path):
+    """A random-weight Llama of `shape` saved as an HF folder; returns the HF model (on the GPU)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    config = LlamaConfig(**shape, max_position_embeddings=4096, rope_theta=500000.0, bos_token_id=0, eos_token_id=1)
+    torch.manual_seed(0)
+    with torch.device(DEVICE):
+        model = LlamaForCausalLM(config).to(dtype).eval()
+    model.save_pretrained(folder)
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(shape["vocab_size"])}, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=words, eos_token="t1", unk_token="t0").save_pretrained(folder)
+    return model
+
+
+def engine_for(folder: Path, dtype: str, **args) -> NativeEngine:
+    engine_args = {"max_num_seqs": 256, "max_num_batched_tokens": 8192, **args}
+    config = load_config(None, {"HOME": "/tmp"}, {
+        "engine.name": "native", "engine.model": str(folder), "engine.dtype": dtype,
+        "engine.args": json.dumps(engine_args)})
+    return NativeEngine(config)
+
+
+async def run_requests(engine: NativeEngine, prompts: list[list[int]], new_tokens: int) -> dict:
+    """All prompts submitted at once; tokens/s over the whole run and TTFT per request."""
+    started = time.perf_counter()
+    ttfts: list[float] = []
+
+    async def one(index: int, ids: list[int]) -> list[int]:
+        request = GenerationRequest(request_id=f"b{index}-{random.random()}", prompt_token_ids=list(ids),
+                                    sampling=SamplingParams(max_tokens=new_tokens, ignore_eos=True))
+        tokens: list[int] = []
+        async for out in engine.stream_predict(request):
+            if not tokens:
+                ttfts.append(time.perf_counter() - started)
+            tokens.extend(out.token_ids)
+        return tokens
+
+    outputs = await asyncio.gather(*(one(i, ids) for i, ids in enumerate(prompts)))
+    wall = time.perf_counter() - started
+    return {"outputs": outputs, "wall_s": wall, "tokens_per_s": sum(map(len, outputs)) / wall,
+            "ttft_ms_p50": percentile(ttfts, 50) * 1000, "ttft_ms_p99": percentile(ttfts, 99) * 1000}
+
+
+@torch.inference_mode()
+def hf_greedy(model, ids: list[int], count: int) -> list[int]:
+    out = model(torch.tensor([ids], device=DEVICE), use_cache=True)
+    tokens = []
+    for _ in range(count):
+        tokens.append(int(out.logits[0, -1].argmax()))
+        out = model(torch.tensor([[tokens[-1]]], device=DEVICE), past_key_values=out.past_key_values, use_cache=True)
+    return tokens
+
+
+@torch.inference_mode()
+def hf_generate(model, batch: int, new_tokens: int) -> float:
+    ids = torch.randint(2, model.config.vocab_size, (batch, PROMPT), device=DEVICE)
+    model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+    synchronize()
+    started = time.perf_counter()
+    out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    synchronize()
+    return batch * (out.shape[1] - PROMPT) / (time.perf_counter() - started)
+
+
+def synchronize() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth() -> float:
+    """Bytes read + written per second by a device-to-device copy of 4 GiB (256 MiB on a CPU)."""
+    size = 1 << 32 if DEVICE == "cuda" else 1 << 28
+    src = torch.empty(size // 2, dtype=torch.int16, device=DEVICE)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    synchronize()
+    started = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    synchronize()
+    seconds = (time.perf_counter() - started) / 10
+    del src, dst
+    return 2 * size / seconds
+
+
+async def equivalence(shape: dict, work: Path) -> dict:
+    folder = work / "fp32"
+    hf = make_folder(shape, torch.float32, folder)
+    rng = random.Random(1)
+    shared = [rng.randrange(2, shape["vocab_size"]) for _ in range(40)]
+    prompts = [shared + [rng.randrange(2, shape["vocab_size"]) for _ in range(n)] for n in (3, 17, 30, 9)]
+    prompts.append([rng.randrange(2, shape["vocab_size"]) for _ in range(21)])
+    expected = [hf_greedy(hf, ids, 32) for ids in prompts]
+    engine = engine_for(folder, "float32", max_num_seqs=8)
+    await engine.load_model()
+    try:
+        one_by_one = [(await run_requests(engine, [ids], 32))["outputs"][0] for ids in prompts]
+        together = (await run_requests(engine, prompts, 32))["outputs"]
+        from worker.engines.native.model import Batch
+
+        ids = prompts[0]
+        blocks = list(range(-(-len(ids) // 16)))
+        batch = Batch(torch.tensor(ids, device=DEVICE), torch.arange(len(ids), device=DEVICE),
+                      torch.arange(len(ids), device=DEVICE), [len(ids)], [len(ids)], [blocks],
+                      torch.tensor([len(ids) - 1], device=DEVICE), 16)
+        with torch.inference_mode():
+            reference = hf(torch.tensor([ids], device=DEVICE)).logits[0, -1].float()
+            logits = engine.model(batch, engine.k_cache, engine.v_cache)[0]
+        max_diff = float((logits - reference).abs().max())
+    finally:
+        await engine.unload_model()
+    del hf
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    matches = [a == b for a, b in zip(one_by_one, expected)] + [a == b for a, b in zip(together, expected)]
+    first_diff = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(together, expected)]
+    return {"prompts": len(prompts), "new_tokens": 32, "dtype": "float32",
+            "identical_one_by_one": sum(matches[:len(prompts)]), "identical_batched": sum(matches[len(prompts):]),
+            "first_differing_token_batched": first_diff, "logits_max_abs_diff": max_diff,
+            "logits_scale": float(reference.abs().max())}
+
+
+async def prefix_sharing(folder: Path, vocab: int) -> dict:
+    rng = random.Random(2)
+    system = [rng.randrange(2, vocab) for _ in range(1024)]
+    prompts = [system + [rng.randrange(2, vocab) for _ in range(32)] for _ in range(64)]
+    rows = {}
+    for caching in (False, True):
+        engine = engine_for(folder, "bfloat16", enable_prefix_caching=caching)
+        await engine.load_model()
+        try:
+            await run_requests(engine, [system + [5, 6, 7]], 4)  # the system prompt seen once before
+            result = await run_requests(engine, prompts, 64)
+            result.pop("outputs")
+            result["prefix_hit_tokens"] = engine.prefix_hit_tokens
+            rows["on" if caching else "off"] = result
+        finally:
+            await engine.unload_model()
+        print(f"  prefix cache {'on ' if caching else 'off'}: {result['tokens_per_s']:8.0f} tok/s, TTFT p50 "
+              f"{result['ttft_ms_p50']:.0f} ms, p99 {result['ttft_ms_p99']:.0f} ms", flush=True)
+    return rows
+
+
+async def throughput(name: str, shape: dict, batches: list[int], work: Path, bandwidth: float, prefix: bool) -> dict:
+    folder = work / name
+    hf = make_folder(shape, torch.bfloat16, folder)
+    weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
+    row = {"shape": name, **shape, "weight_bytes": weight_bytes, "roofline_batch1_tokens_per_s": bandwidth / weight_bytes,
+           "hf_generate": {}, "native": {}}
+    for batch in batches:
+        row["hf_generate"][batch] = hf_generate(hf, batch, NEW)
+        print(f"  {name} HF generate batch {batch}: {row['hf_generate'][batch]:8.0f} tok/s", flush=True)
+    del hf
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    started = time.perf_counter()
+    engine = engine_for(folder, "bfloat16")
+    await engine.load_model()
+    row["native_ready_s"] = time.perf_counter() - started
+    rng = random.Random(3)
+    try:
+        await run_requests(engine, [[rng.randrange(2, shape["vocab_size"]) for _ in range(PROMPT)]] * 2, 8)
+        for batch in batches:
+            prompts = [[rng.randrange(2, shape["vocab_size"]) for _ in range(PROMPT)] for _ in range(batch)]
+            result = await run_requests(engine, prompts, NEW)
+            result.pop("outputs")
+            row["native"][batch] = result
+            print(f"  {name} native batch {batch}: {result['tokens_per_s']:8.0f} tok/s (HF "
+                  f"{row['hf_generate'][batch]:.0f}), TTFT p50 {result['ttft_ms_p50']:.0f} ms", flush=True)
+    finally:
+        await engine.unload_model()
+    if prefix:
+        row["prefix_sharing"] = await prefix_sharing(folder, shape["vocab_size"])
+    return row
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["shapes"]
+    fig, axes = plt.subplots(1, len(rows), figsize=(6 * len(rows), 4.5), squeeze=False)
+    for ax, row in zip(axes[0], rows):
+        batches = list(row["native"])
+        x = range(len(batches))
+        ax.bar([i - 0.2 for i in x], [row["hf_generate"][b] for b in batches], 0.4, label="HF generate (eager)")
+        ax.bar([i + 0.2 for i in x], [row["native"][b]["tokens_per_s"] for b in batches], 0.4, label="native")
+        ax.axhline(row["roofline_batch1_tokens_per_s"], color="k", linestyle=":", label="batch-1 HBM roofline")
+        ax.set_yscale("log")
+        ax.set_xticks(list(x), [f"batch {b}" for b in batches])
+        ax.set_ylabel("tokens/s")
+        ax.set_title(f"{row['shape']} shape, bf16, {PROMPT} prompt / {NEW} new")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+async def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", default="llama-3.2-1b,llama-3.1-8b")
+    parser.add_argument("--batches", default="1,16,64,256")
+    parser.add_argument("--skip-equivalence", action="store_true")
+    args = parser.parse_args()
+    names = args.shapes.split(",")
+    batches = [int(b) for b in args.batches.split(",")]
+    result = {"benchmark": "native_gpu", "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__,
+              "when": time.strftime("%Y-%m-%d %H:%M"), "prompt_tokens": PROMPT, "new_tokens": NEW}
+    result["copy_bandwidth_bytes_per_s"] = copy_bandwidth()
+    print(f"copy bandwidth {result['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s", flush=True)
+    with tempfile.TemporaryDirectory(dir=os.environ.get("CYLLM_BENCH_TMP")) as work:
+        if not args.skip_equivalence:
+            result["equivalence"] = await equivalence(SHAPES[names[0]], Path(work))
+            print(f"equivalence: {result['equivalence']}", flush=True)
+        result["shapes"] = []
+        for index, name in enumerate(names):
+            result["shapes"].append(await throughput(name, SHAPES[name], batches, Path(work),
+                                                     result["copy_bandwidth_bytes_per_s"], prefix=index == 0))
+            for row in result["shapes"]:  # written as it goes: a later shape may not fit the time
+                RESULTS.mkdir(parents=True, exist_ok=True)
+                (RESULTS / "native_gpu.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, RESULTS / "native_gpu.png")
+    print(f"wrote {RESULTS / 'native_gpu.json'} and native_gpu.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main()))

@@ -1,0 +1,71 @@
+"""CUDA graphs of the decode step, one per padded batch size.
+
+A decode step launches a few hundred small kernels; replaying them as one graph removes the CPU
+launch cost that otherwise dominates at small batches. Every graph reads the same static buffers
+(token ids, positions, cache slots, block tables, context lengths) and writes its own logits; a
+step of n sequences copies its inputs in, pads to the next captured size with rows of length 0
+whose K/V go to a scratch slot, and replays. Whatever a graph reads must outlive it: the buffers
+are attributes here, never temporaries of the capture.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from worker.engines.native.model import Batch, LlamaModel
+
+
+def graph_sizes(max_batch: int) -> list[int]:
+    sizes = [size for size in (1, 2, 4, 8) if size <= max_batch] + list(range(16, max_batch + 1, 16))
+    return sorted(set(sizes) | {max_batch})
+
+
+class DecodeGraphs:
+    def __init__(self, model: LlamaModel, k_cache: torch.Tensor, v_cache: torch.Tensor, max_batch: int,
+                 max_blocks: int, block_size: int, scratch_slot: int):
+        device = k_cache.device
+        self.sizes = graph_sizes(max_batch)
+        self.scratch_slot = scratch_slot
+        largest = self.sizes[-1]
+        # Rows: token ids, positions, cache slots, context lengths; one copy in per step.
+        self.packed = torch.zeros(4, largest, dtype=torch.long, device=device)
+        self.input_ids, self.positions, self.slots, self.lens = self.packed
+        self.slots.fill_(scratch_slot)
+        self.tables = torch.zeros(largest, max_blocks, dtype=torch.int32, device=device)
+        self.rows = torch.arange(largest, device=device)  # every row is a last token
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        pool = None
+        side = torch.cuda.Stream(device)
+        for size in reversed(self.sizes):  # largest first, so the smaller ones fit in its memory pool
+            batch = Batch(self.input_ids[:size], self.positions[:size], self.slots[:size], [], [], [],
+                          self.rows[:size], block_size, prefills=[],
+                          decode_tables=self.tables[:size], decode_lens=self.lens[:size])
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):  # compiles the kernels and settles the allocator
+                model(batch, k_cache, v_cache)
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.logits[size] = model(batch, k_cache, v_cache)
+            pool = graph.pool()
+            self.graphs[size] = graph
+        torch.cuda.synchronize(device)
+
+    @property
+    def max_batch(self) -> int:
+        return self.sizes[-1]
+
+    def run(self, input_ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
+            lens: list[int]) -> torch.Tensor:
+        """Logits (n, vocab) of n one-token decodes; valid until the next run."""
+        n = len(input_ids)
+        size = next(s for s in self.sizes if s >= n)
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        pad = [0] * (size - n)
+        self.packed[:, :size].copy_(torch.tensor([input_ids + pad, positions + pad,
+                                                  slots + [self.scratch_slot] * (size - n), lens + pad]))
+        self.tables[:n, :width].copy_(torch.tensor(padded, dtype=torch.int32))
+        self.graphs[size].replay()
+        return self.logits[size][:n]
