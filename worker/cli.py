@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
+from pathlib import Path
 from typing import Any
 
 from worker.config import Config, ConfigError, load_config
@@ -69,6 +71,18 @@ def _parser() -> argparse.ArgumentParser:
     prepare.add_argument("--cache-dir", help="default: models.cache_dir (env CYLLM_CACHE_DIR)")
     model_commands.add_parser("list", help="embedded models and whether they are prepared")
 
+    kb = commands.add_parser("kb", help="local knowledge bases for rag adapters")
+    kb_commands = kb.add_subparsers(dest="kb_command", required=True)
+    index = kb_commands.add_parser("index", help="index a folder of text/markdown files (replaces NAME)")
+    _config_args(index)
+    index.add_argument("folder")
+    index.add_argument("--name", required=True)
+    search = kb_commands.add_parser("search", help="the top passages of NAME for a query")
+    _config_args(search)
+    search.add_argument("name")
+    search.add_argument("query")
+    search.add_argument("-k", type=int, default=3)
+
     setup = commands.add_parser("setup", help="detect the hardware, resolve an engine stack, write the lock, install it")
     setup.add_argument("--engine", help="transformers | native | vllm | trtllm (default: the hardware's default)")
     setup.add_argument("--hardware", default="auto", help="auto, a vendor (cpu, nvidia, amd, ascend) or a profile name")
@@ -107,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
             return _models(args)
         if args.command == "bench":
             return _bench(args, _build_config(args))
+        if args.command == "kb":
+            return _kb(args, _build_config(args))
         if args.command == "setup":
             from worker.deps.commands import setup
 
@@ -120,6 +136,29 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cy-llm: configuration error: {exc}", file=sys.stderr)
         return 2
     return 2
+
+
+def _kb(args: argparse.Namespace, config: Config) -> int:
+    from worker.adapters.knowledge_base import KnowledgeBase, KnowledgeBaseError, build_index
+
+    if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", args.name) or args.name.startswith("."):
+        print("cy-llm: a knowledge base name is 1-64 letters, digits and ._-", file=sys.stderr)
+        return 2
+    path = Path(config.adapters.kb_dir) / f"{args.name}.sqlite"
+    try:
+        if args.kb_command == "index":
+            def progress(done: int, total: int, passages: int) -> None:
+                print(f"\rindexed {done}/{total} files, {passages} passages", end="", file=sys.stderr, flush=True)
+
+            count = build_index(Path(args.folder), path, progress)
+            print(f"\n{path}: {count} passages", file=sys.stderr)
+            return 0
+        for passage in KnowledgeBase(path).search(args.query, args.k):
+            print(f"[{passage.source}] score {passage.score:.2f}\n{passage.text}\n")
+        return 0
+    except KnowledgeBaseError as exc:
+        print(f"cy-llm: {exc}", file=sys.stderr)
+        return 1
 
 
 def _serve(config: Config) -> int:

@@ -145,17 +145,38 @@ class ModelsConfig:
 
 
 @dataclass
+class AdaptersConfig:
+    kb_dir: str = ""
+    """Where `cy-llm kb index` writes knowledge bases (NAME.sqlite) and rag adapters find them."""
+    named: dict[str, Any] = field(default_factory=dict)
+    """name -> {type: rag, kb: NAME, top_k: 3, max_context_tokens: 512} or
+    {type: system_prompt, text: ..., template: "{system}\n\n{prompt}", replace: false}."""
+
+    def validate(self) -> None:
+        if not self.kb_dir:
+            raise ConfigError("adapters.kb_dir", "must be set")
+        from worker.adapters.base import build_adapters
+
+        try:  # the specs only; knowledge bases are opened per request, so a rebuild needs no restart
+            for adapter in build_adapters(self.named, Path(self.kb_dir)).values():
+                adapter.close()
+        except ValueError as exc:
+            raise ConfigError(f"adapters.named.{exc}".split(":")[0], str(exc).split(": ", 1)[-1]) from None
+
+
+@dataclass
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     sampling: SamplingDefaults = field(default_factory=SamplingDefaults)
     resources: ResourceConfig = field(default_factory=ResourceConfig)
     models: ModelsConfig = field(default_factory=ModelsConfig)
+    adapters: AdaptersConfig = field(default_factory=AdaptersConfig)
     explicit_keys: frozenset[str] = frozenset()
     """Dotted keys set by the YAML file, the environment or flags (not defaults)."""
 
     def validate(self) -> Config:
-        for section in (self.server, self.engine, self.sampling, self.resources, self.models):
+        for section in (self.server, self.engine, self.sampling, self.resources, self.models, self.adapters):
             section.validate()
         return self
 
@@ -178,6 +199,7 @@ def default_paths(env: Mapping[str, str]) -> dict[str, str]:
     return {
         "server.socket": str(runtime / "worker.sock"),
         "models.cache_dir": str(Path(cache) / "cy-llm" / "models"),
+        "adapters.kb_dir": str(Path(cache) / "cy-llm" / "kb"),
     }
 
 
@@ -235,14 +257,15 @@ def _assign(values: dict[str, dict[str, Any]], dotted: str, value: Any, explicit
         explicit.add(dotted)
     if section not in values:
         raise ConfigError(dotted, f"unknown section; expected one of {', '.join(SECTIONS)}")
-    if key.startswith("args.") and section == "engine":
+    nested = {"engine": "args.", "adapters": "named."}.get(section)
+    if nested and key.startswith(nested):
         # From flags and the environment values come as text: read them as a YAML file would.
         if isinstance(value, str):
             try:
                 value = yaml.safe_load(value) if value.strip() else value
             except yaml.YAMLError:
                 pass
-        values[section].setdefault("args", {})[key[len("args."):]] = value
+        values[section].setdefault(nested[:-1], {})[key[len(nested):]] = value
         return
     values[section][key] = value
 

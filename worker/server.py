@@ -7,12 +7,14 @@ import os
 import signal
 import time
 import uuid
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from worker import __version__
+from worker.adapters.base import Adapter, build_adapters
 from worker.config import Config
 from worker.engines.base import BaseEngine, RequestStream
 from worker.errors import (
@@ -57,7 +59,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self.consecutive_engine_errors = 0
         # Set by the Worker: called once faults in a row say the device is not coming back.
         self.on_repeated_faults = lambda: None
-        self.adapters: frozenset[str] = frozenset()
+        self.adapters: dict[str, Adapter] = build_adapters(config.adapters.named, Path(config.adapters.kb_dir))
         self.ready = False
         self.draining = False
         self.idle = asyncio.Event()
@@ -103,7 +105,10 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 timer = asyncio.get_running_loop().call_later(
                     max(0.0, deadline - time.monotonic()), stream.fail,
                     RequestDeadlineExceeded("deadline passed while generating"))
+            adapter = self.adapters.get(request.adapter)
             async for output in stream:
+                if adapter is not None:
+                    output = adapter.process_output(output)
                 self.last_progress = time.monotonic()
                 completion_tokens += len(output.token_ids)
                 if first_token_at is None and output.token_ids:
@@ -171,8 +176,13 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         info = self.engine.info
         if request.model and request.model != info.served_name:
             raise ModelNotFound(f"model {request.model!r} is not served here; this worker serves {info.served_name!r}")
-        if request.adapter and request.adapter not in self.adapters:
-            raise AdapterNotFound(f"adapter {request.adapter!r} is not configured on this worker")
+        if request.adapter:
+            adapter = self.adapters.get(request.adapter)
+            if adapter is None:
+                raise AdapterNotFound(f"adapter {request.adapter!r} is not configured on this worker")
+            request = await asyncio.to_thread(adapter.prepare, request, self.engine.count_tokens)
+            log.debug("adapter prepared the request", request_id=request.request_id, adapter=adapter.name,
+                      prompt=request.prompt, messages=[(m.role, m.content) for m in request.messages or ()])
         if request.prompt_token_ids is not None:
             self.engine.check_token_ids(request.prompt_token_ids, "token_ids")
         self.engine.check_token_ids(request.sampling.stop_token_ids, "sampling.stop_token_ids")

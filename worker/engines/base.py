@@ -129,6 +129,10 @@ class BaseEngine(ABC):
         for an engine whose prefix cache is not visible here."""
         return None
 
+    def count_tokens(self, text: str) -> int:
+        """Tokens `text` takes as a plain prompt (adapters budget their insertions with it)."""
+        return len(self.encode(GenerationRequest(request_id="count", sampling=SamplingParams(), prompt=text)))
+
     def check_token_ids(self, token_ids: list[int] | tuple[int, ...], field_name: str) -> None:
         vocab = self.info.vocab_size
         for token_id in token_ids:

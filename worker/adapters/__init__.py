@@ -1,0 +1,1 @@
+"""Per-request prompt adapters named in the worker's config (PredictRequest.adapter)."""
