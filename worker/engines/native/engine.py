@@ -93,6 +93,8 @@ class NativeEngine(ThreadedEngine):
         if self.device.type == "cuda" and not self.args["enforce_eager"]:
             from worker.engines.native.graphs import DecodeGraphs
 
+            self.model.ops.compile()  # compiled on first use: in the graphs' warm-up runs below
+
             self.graphs = DecodeGraphs(self.model, self.k_cache, self.v_cache, int(self.args["max_num_seqs"]),
                                        -(-max_model_len // block_size), block_size, num_blocks * block_size)
         self.eos_ids = frozenset(c.eos_token_ids) | ({self.tokenizer.eos_token_id} - {None})

@@ -114,17 +114,18 @@ class Batch:
         return self
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + residual, its norm): the residual stream and the next sublayer's input."""
+    x = x + residual
+    return x, rms_norm(x, weight, eps)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -134,21 +135,56 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + rotated * sin
 
 
-class Attention(nn.Module):
-    def __init__(self, config: ModelConfig):
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class Elementwise:
+    """The small element-wise steps every layer runs. Eager, these are a dozen tiny kernels a
+    layer, which at small batches cost more than the layer's GEMMs; on CUDA `compile()` fuses each
+    function into one kernel (torch.compile, dynamic in the token dimension)."""
+
+    def __init__(self):
+        self.rms_norm, self.add_rms_norm, self.rotate, self.silu_and_mul = rms_norm, add_rms_norm, rotate, silu_and_mul
+
+    def compile(self) -> None:
+        for name in ("rms_norm", "add_rms_norm", "rotate", "silu_and_mul"):
+            setattr(self, name, torch.compile(globals()[name], dynamic=True, fullgraph=True))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, ops: Elementwise):
         super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.rms_norm(x, self.weight, self.eps)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, ops: Elementwise):
+        super().__init__()
+        self.ops = ops
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        self.q_proj = nn.Linear(config.hidden_size, config.num_heads * config.head_dim, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=config.qkv_bias)
+        # q, k and v projections as one matrix (one GEMM a layer instead of three); see load_model.
+        self.sizes = [config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim,
+                      config.num_kv_heads * config.head_dim]
+        self.qkv_proj = nn.Linear(config.hidden_size, sum(self.sizes), bias=config.qkv_bias)
         self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: Batch,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         tokens = x.shape[0]
-        q = rotate(self.q_proj(x).view(tokens, self.num_heads, self.head_dim), cos, sin)
-        k = rotate(self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        q = self.ops.rotate(q.reshape(tokens, self.num_heads, self.head_dim), cos, sin)
+        k = self.ops.rotate(k.reshape(tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
         # k_cache, v_cache: (num_blocks * block_size, kv_heads, head_dim), written slot by slot.
         k_cache.index_copy_(0, batch.slots, k)
         v_cache.index_copy_(0, batch.slots, v)
@@ -163,36 +199,37 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, ops: Elementwise):
         super().__init__()
-        self.self_attn = Attention(config)
-        self.mlp = MLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, ops)
+        self.mlp = MLP(config, ops)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
     def forward(self, x, cos, sin, batch, k_cache, v_cache):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, k_cache, v_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, h = self.post_attention_layernorm.add(x, self.self_attn(self.input_layernorm(x), cos, sin, batch, k_cache, v_cache))
+        return x + self.mlp(h)
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, ops: Elementwise):
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.ops = ops
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
+        self.ops = Elementwise()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(config, self.ops) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, self.ops)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -213,6 +250,17 @@ class LlamaModel(nn.Module):
         return self.lm_head(self.norm(x[batch.last_token_index])).float()
 
 
+def merge_projections(state: dict[str, torch.Tensor], num_layers: int) -> None:
+    """HF keeps q/k/v and gate/up as separate matrices; this model stacks each group into one."""
+    groups = [("self_attn.", ("q_proj", "k_proj", "v_proj"), "qkv_proj"), ("mlp.", ("gate_proj", "up_proj"), "gate_up_proj")]
+    for layer in range(num_layers):
+        for module, parts, merged in groups:
+            for kind in ("weight", "bias"):
+                keys = [f"layers.{layer}.{module}{part}.{kind}" for part in parts]
+                if all(key in state for key in keys):
+                    state[f"layers.{layer}.{module}{merged}.{kind}"] = torch.cat([state.pop(key) for key in keys])
+
+
 def load_model(folder: Path, dtype: torch.dtype, device: torch.device) -> LlamaModel:
     """Weights from the folder's safetensors files (any dtype), cast to `dtype` on `device`."""
     from safetensors.torch import load_file
@@ -225,6 +273,7 @@ def load_model(folder: Path, dtype: torch.dtype, device: torch.device) -> LlamaM
         state.update({k.removeprefix("model."): v for k, v in load_file(path).items()})
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+    merge_projections(state, config.num_layers)
     missing = set(dict(model.named_parameters())) - set(state) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
     if missing:
         raise ValueError(f"{folder}: weights missing for {sorted(missing)[:5]}")
