@@ -137,7 +137,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             status, detail = status_for(exc)
             if isinstance(exc, (DeviceOutOfMemory, EngineRequestError)):
                 self._count_engine_error()
-            await context.abort(status, detail)
+            await _abort(context, status, detail)
         except (asyncio.CancelledError, GeneratorExit):
             # grpc cancels the handler task, or closes this generator at a yield.
             past_deadline = deadline is not None and time.monotonic() >= deadline
@@ -146,7 +146,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         except Exception as exc:  # noqa: BLE001 - a bug must cost one request, not the worker
             log.exception("request failed", request_id=request_id)
             status, detail = status_for(exc)
-            await context.abort(status, detail)
+            await _abort(context, status, detail)
         finally:
             if timer is not None:
                 timer.cancel()
@@ -211,6 +211,17 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 self.metrics.tpot.observe((now - first_token_at) / (completion_tokens - 1))
         log.info("request ended", request_id=request_id, status=status.name,
                  completion_tokens=completion_tokens, total_ms=round((now - arrived) * 1000, 2))
+
+
+async def _abort(context: grpc.aio.ServicerContext, status: grpc.StatusCode, detail: str) -> None:
+    """Ends the call with `status`, unless it ended already (its deadline passed in grpc's core
+    while we were deciding): then there is nothing left to send it on."""
+    try:
+        await context.abort(status, detail)
+    except grpc.aio.AbortError:
+        raise
+    except Exception:  # noqa: BLE001 - grpc's core refuses the status of a finished call
+        log.debug("call ended before its status could be sent", status=status.name)
 
 
 class ControlServicer(pb_grpc.WorkerControlServicer):

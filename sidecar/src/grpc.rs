@@ -58,17 +58,20 @@ pub fn grpc_timeout(metadata: &MetadataMap) -> Option<Duration> {
     })
 }
 
-/// tonic's decoder refuses a message over the size limit with OUT_OF_RANGE; the contract (and
-/// grpc-core, which the workers use) says RESOURCE_EXHAUSTED, so that one status is rewritten.
-pub fn oversized_is_resource_exhausted<B>(mut response: http::Response<B>) -> http::Response<B> {
+/// Statuses tonic itself produces that the contract names differently: its decoder refuses a
+/// message over the size limit with OUT_OF_RANGE (grpc-core, which the workers use, and the
+/// contract say RESOURCE_EXHAUSTED), and a caller's grpc-timeout that runs out before the first
+/// message ends the call CANCELLED "Timeout expired" (the gRPC spec says DEADLINE_EXCEEDED).
+pub fn contract_status<B>(mut response: http::Response<B>) -> http::Response<B> {
     let headers = response.headers_mut();
-    let too_large = headers.get("grpc-status").is_some_and(|status| status == "11")
-        && headers
-            .get("grpc-message")
-            .and_then(|message| message.to_str().ok())
-            .is_some_and(|message| message.contains("message") && message.contains("too") && message.contains("large"));
-    if too_large {
-        headers.insert("grpc-status", http::HeaderValue::from_static("8"));
+    let message = headers.get("grpc-message").and_then(|m| m.to_str().ok()).unwrap_or("").to_owned();
+    let rewrite = match headers.get("grpc-status").and_then(|s| s.to_str().ok()) {
+        Some("11") if message.contains("message") && message.contains("too") && message.contains("large") => Some("8"),
+        Some("1") if message.starts_with("Timeout%20expired") || message.starts_with("Timeout expired") => Some("4"),
+        _ => None,
+    };
+    if let Some(code) = rewrite {
+        headers.insert("grpc-status", http::HeaderValue::from_static(code));
     }
     response
 }
@@ -104,17 +107,19 @@ mod tests {
     }
 
     #[test]
-    fn only_the_oversized_decode_error_becomes_resource_exhausted() {
+    fn tonic_statuses_become_the_contract_s() {
         let response = |status: &'static str, message: &'static str| {
             let mut response = http::Response::new(());
             response.headers_mut().insert("grpc-status", http::HeaderValue::from_static(status));
             response.headers_mut().insert("grpc-message", http::HeaderValue::from_static(message));
-            oversized_is_resource_exhausted(response)
+            contract_status(response)
         };
         let large = response("11", "Error,%20decoded%20message%20length%20too%20large");
         assert_eq!(large.headers()["grpc-status"], "8");
         assert_eq!(response("11", "other").headers()["grpc-status"], "11");
         assert_eq!(response("3", "message too large").headers()["grpc-status"], "3");
+        assert_eq!(response("1", "Timeout%20expired").headers()["grpc-status"], "4");
+        assert_eq!(response("1", "client went away").headers()["grpc-status"], "1");
     }
 
     #[test]

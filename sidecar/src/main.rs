@@ -65,7 +65,7 @@ async fn serve(args: Args) -> anyhow::Result<()> {
     let inference = InferenceServiceServer::new(InferenceProxy { gateway: gateway.clone() })
         .max_decoding_message_size(args.max_request_bytes);
     let grpc = tonic::transport::Server::builder()
-        .layer(tower::util::MapResponseLayer::new(grpc::oversized_is_resource_exhausted))
+        .layer(tower::util::MapResponseLayer::new(grpc::contract_status))
         .add_service(health_service)
         .add_service(reflection)
         .add_service(InterceptedService::new(inference, auth_interceptor(keys.clone())))
