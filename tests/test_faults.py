@@ -134,8 +134,13 @@ def test_the_worker_has_no_tcp_listener_and_keeps_prompts_out_of_info_logs(worke
         from worker.gen.cyllm.inference.v1 import inference_pb2_grpc as pb_grpc
 
         list(pb_grpc.InferenceServiceStub(channel).StreamPredict(synthetic_request(prompt="my secret prompt 8841")))
-    inodes = {os.readlink(f"/proc/{worker.proc.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{worker.proc.pid}/fd")}
-    inodes = {link[len("socket:["):-1] for link in inodes if link.startswith("socket:[")}
+    links = []
+    for fd in os.listdir(f"/proc/{worker.proc.pid}/fd"):
+        try:
+            links.append(os.readlink(f"/proc/{worker.proc.pid}/fd/{fd}"))
+        except FileNotFoundError:  # closed meanwhile
+            pass
+    inodes = {link[len("socket:["):-1] for link in links if link.startswith("socket:[")}
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         with open(table) as f:
             rows = [line.split() for line in f.readlines()[1:]]
@@ -258,3 +263,65 @@ def test_fuzzed_openai_bodies_get_openai_errors_never_500(worker_process, sideca
 
         check()
     assert front.proc.poll() is None and worker.proc.poll() is None
+
+
+def test_a_model_that_fails_to_load(worker_process, tmp_path):
+    """Exits 3 with a clear log line by default; configured to stay, it is alive and never ready,
+    and requests get UNAVAILABLE naming the load error."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}')
+    worker = worker_process("--engine", "native", "--model", str(broken))
+    assert worker.wait(60) == 3
+    assert "model failed to load" in worker.log() and "native engine runs" in worker.log()
+
+    staying = worker_process("--engine", "native", "--model", str(broken), "--set", "server.exit_on_load_failure=false")
+    with grpc.insecure_channel(f"unix:{staying.socket_path}") as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        deadline = time.monotonic() + 60
+        while "model failed to load" not in staying.log():
+            assert time.monotonic() < deadline and staying.proc.poll() is None, staying.log()
+            time.sleep(0.1)
+        assert health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
+        service = "cyllm.inference.v1.InferenceService"
+        assert health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status != health_pb2.HealthCheckResponse.SERVING
+        from worker.gen.cyllm.inference.v1 import inference_pb2_grpc as pb_grpc
+
+        with pytest.raises(grpc.RpcError) as error:
+            list(pb_grpc.InferenceServiceStub(channel).StreamPredict(synthetic_request(), timeout=5))
+        assert error.value.code() == grpc.StatusCode.UNAVAILABLE and "failed to load" in error.value.details()
+    assert staying.proc.poll() is None
+
+
+def test_the_sidecar_dies_mid_stream(worker_process, sidecar):
+    """SIGKILL of the sidecar during a stream: the client gets UNAVAILABLE, the worker frees the
+    slot, the request ran once (no retry after its first token), and a new sidecar serves again."""
+    from worker.gen.cyllm.inference.v1 import inference_pb2_grpc as pb_grpc
+
+    worker = worker_process("--engine", "synthetic", "--set", "engine.args.step_ms=20")
+    worker.wait_ready()
+    front = sidecar([worker.socket_path])
+    front.wait_ready()
+    with grpc.insecure_channel(f"127.0.0.1:{front.grpc_port}") as channel:
+        stream = pb_grpc.InferenceServiceStub(channel).StreamPredict(synthetic_request(max_tokens=1000))
+        next(stream)
+        front.proc.kill()
+        with pytest.raises(grpc.RpcError) as error:
+            for _ in stream:
+                pass
+        assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+    with grpc.insecure_channel(f"unix:{worker.socket_path}") as channel:
+        control = pb_grpc.WorkerControlStub(channel)
+        deadline = time.monotonic() + 5
+        while control.GetLoad(pb.GetLoadRequest()).running and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert control.GetLoad(pb.GetLoadRequest()).running == 0
+        text = control.Metrics(pb.MetricsRequest()).text
+        ended = dict(re.findall(r'^cyllm_requests_total\{status="(\w+)"\} (\S+)$', text, re.M))
+        assert ended == {"CANCELLED": "1.0"}  # this request, once
+    again = sidecar([worker.socket_path])
+    again.wait_ready()
+    with grpc.insecure_channel(f"127.0.0.1:{again.grpc_port}") as channel:
+        assert list(pb_grpc.InferenceServiceStub(channel).StreamPredict(synthetic_request(max_tokens=3)))[-1].usage.completion_tokens == 3

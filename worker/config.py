@@ -43,6 +43,9 @@ class ServerConfig:
     stops serving and exits non-zero so it is restarted; a success resets the count."""
     exit_with_parent: bool = False
     """Exit when the process that started the worker dies (sidecar, container init)."""
+    exit_on_load_failure: bool = True
+    """A model that fails to load stops the worker (exit code 3, so a supervisor restarts it);
+    false keeps it alive and never ready, answering UNAVAILABLE with the load error."""
 
     def validate(self) -> None:
         if not self.socket:

@@ -61,6 +61,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self.on_repeated_faults = lambda: None
         self.adapters: dict[str, Adapter] = build_adapters(config.adapters.named, Path(config.adapters.kb_dir))
         self.ready = False
+        self.load_error: str | None = None
         self.draining = False
         self.idle = asyncio.Event()
         self.idle.set()
@@ -171,7 +172,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         if self.draining:
             raise Draining("worker is draining; send to another worker")
         if not self.ready:
-            raise NotReady("model is loading")
+            raise NotReady(self.load_error or "model is loading")
         request = GenerationRequest.from_pb(message, self.defaults)
         info = self.engine.info
         if request.model and request.model != info.served_name:
@@ -333,8 +334,11 @@ class Worker:
             self.scheduler.set_budget(self.config.resources.budget_tokens or self.engine.kv_budget_tokens())
             await self.engine.warmup()
         except Exception as exc:  # noqa: BLE001 - reported, then the worker exits non-zero
-            log.error("model failed to load", error=str(exc), error_type=type(exc).__name__)
-            self.request_shutdown(0.0, exit_code=3)
+            log.error("model failed to load", error=str(exc), error_type=type(exc).__name__,
+                      model=self.config.engine.model, engine=self.config.engine.name)
+            self.inference.load_error = f"model failed to load: {type(exc).__name__}: {exc}"
+            if self.config.server.exit_on_load_failure:
+                self.request_shutdown(0.0, exit_code=3)
             return
         self.inference.ready = True
         await self.health.set(INFERENCE_SERVICE, health_pb2.HealthCheckResponse.SERVING)
