@@ -104,30 +104,30 @@ def test_rag_adapter_fills_the_prompt_or_the_system_message_within_budget(docs, 
     words = lambda text: len(text.split())  # noqa: E731 - a token counter for the test
     adapters = build_adapters({"town": {"type": "rag", "kb": "town", "top_k": 3, "max_context_tokens": 40}}, tmp_path)
     rag = adapters["town"]
-    prepared = rag.prepare(request_with(prompt="What is the access code of the Zorblax vault?"), words)
+    prepared = rag.prepare_prompt(request_with(prompt="What is the access code of the Zorblax vault?"), words)
     assert "4417" in prepared.prompt and prepared.prompt.rstrip().endswith("Zorblax vault?")
     context = prepared.prompt.split("Question:")[0]
     assert words(context) <= 40 + 12  # the passages within budget, plus the fixed lead-in
-    chat = rag.prepare(request_with(messages=(ChatMessage("system", "Be brief."),
+    chat = rag.prepare_prompt(request_with(messages=(ChatMessage("system", "Be brief."),
                                               ChatMessage("user", "When was the Vellmoor lighthouse lit?"))), words)
     assert chat.messages[0].role == "system" and "Be brief." in chat.messages[0].content
     assert "1862" in chat.messages[0].content and chat.messages[1].content.startswith("When was")
-    assert rag.prepare(request_with(prompt="unrelated quasar"), words).prompt == "unrelated quasar"
+    assert rag.prepare_prompt(request_with(prompt="unrelated quasar"), words).prompt == "unrelated quasar"
     with pytest.raises(AdapterInputError):
-        rag.prepare(request_with(token_ids=[1, 2]), words)
+        rag.prepare_prompt(request_with(token_ids=[1, 2]), words)
     missing = build_adapters({"gone": {"type": "rag", "kb": "gone"}}, tmp_path)["gone"]
     with pytest.raises(AdapterError) as error:
-        missing.prepare(request_with(prompt="x y"), words)
+        missing.prepare_prompt(request_with(prompt="x y"), words)
     assert error.value.code == grpc.StatusCode.FAILED_PRECONDITION
 
 
 def test_system_prompt_adapter():
     adapter = build_adapters({"pirate": {"type": "system_prompt", "text": "Talk like a pirate."}}, None)["pirate"]
-    prepared = adapter.prepare(request_with(messages=(ChatMessage("user", "hi"),)), len)
+    prepared = adapter.prepare_prompt(request_with(messages=(ChatMessage("user", "hi"),)), len)
     assert [m.role for m in prepared.messages] == ["system", "user"]
-    assert adapter.prepare(request_with(prompt="hi"), len).prompt == "Talk like a pirate.\n\nhi"
+    assert adapter.prepare_prompt(request_with(prompt="hi"), len).prompt == "Talk like a pirate.\n\nhi"
     replace = build_adapters({"p": {"type": "system_prompt", "text": "New.", "replace": True}}, None)["p"]
-    out = replace.prepare(request_with(messages=(ChatMessage("system", "Old."), ChatMessage("user", "hi"))), len)
+    out = replace.prepare_prompt(request_with(messages=(ChatMessage("system", "Old."), ChatMessage("user", "hi"))), len)
     assert out.messages[0].content == "New."
 
 
@@ -170,6 +170,32 @@ async def test_adapter_statuses_and_slots_through_the_worker(docs, tmp_path):
         rag = (await client.collect(synthetic_request(prompt="Zorblax vault code", adapter="town")))[-1].usage.prompt_tokens
         assert rag > plain
         assert (await client.wait_idle()).running == 0
+
+
+async def test_process_output_rewrites_each_message_and_a_failure_is_one_requests_status():
+    from worker.adapters.base import Adapter
+
+    class Shout(Adapter):
+        kind = "shout"
+
+        def prepare_prompt(self, request, count_tokens):
+            return request
+
+        def process_output(self, output):
+            if "boom" in output.text:
+                raise AdapterError("the shout adapter cannot take this output")
+            output.text = output.text.upper()
+            return output
+
+    async with running_worker() as (worker, client):
+        worker.inference.adapters["shout"] = Shout("shout")
+        plain = "".join(r.text for r in await client.collect(synthetic_request(max_tokens=12)))
+        loud = "".join(r.text for r in await client.collect(synthetic_request(max_tokens=12, adapter="shout")))
+        assert plain and loud == plain.upper() != plain
+        worker.inference.adapters["shout"].process_output = lambda output: (_ for _ in ()).throw(AdapterError("broken"))
+        assert await client.status_of(synthetic_request(adapter="shout")) == grpc.StatusCode.FAILED_PRECONDITION
+        assert (await client.wait_idle()).running == 0
+        assert await client.status_of(synthetic_request()) == grpc.StatusCode.OK
 
 
 async def test_rag_answers_from_the_knowledge_base_on_the_embedded_model(docs, tmp_path, embedded_model, capfd):

@@ -181,7 +181,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             adapter = self.adapters.get(request.adapter)
             if adapter is None:
                 raise AdapterNotFound(f"adapter {request.adapter!r} is not configured on this worker")
-            request = await asyncio.to_thread(adapter.prepare, request, self.engine.count_tokens)
+            request = await asyncio.to_thread(adapter.prepare_prompt, request, self.engine.count_tokens)
             log.debug("adapter prepared the request", request_id=request.request_id, adapter=adapter.name,
                       prompt=request.prompt, messages=[(m.role, m.content) for m in request.messages or ()])
         if request.prompt_token_ids is not None:

@@ -1,6 +1,6 @@
 """The adapter interface, its errors, and the adapters built from the config's `adapters.named`.
 
-An adapter may rewrite a request before tokenization (`prepare`, run off the event loop) and
+An adapter may rewrite a request before tokenization (`prepare_prompt`, run off the event loop) and
 rewrite each output message's text (`process_output`). It fails with an AdapterError, which ends
 that one request with the error's status; the slot it held is released like any other's.
 """
@@ -38,7 +38,7 @@ class Adapter(ABC):
         self.name = name
 
     @abstractmethod
-    def prepare(self, request: GenerationRequest, count_tokens: TokenCounter) -> GenerationRequest:
+    def prepare_prompt(self, request: GenerationRequest, count_tokens: TokenCounter) -> GenerationRequest:
         """The request to run instead: its prompt or chat rewritten."""
 
     def process_output(self, output: RequestOutput) -> RequestOutput:

@@ -33,7 +33,7 @@ class RagAdapter(Adapter):
         path = Path(kb) if "/" in kb else kb_dir / f"{kb}.sqlite"
         return cls(name, KnowledgeBase(path), top_k, budget)
 
-    def prepare(self, request: GenerationRequest, count_tokens: TokenCounter) -> GenerationRequest:
+    def prepare_prompt(self, request: GenerationRequest, count_tokens: TokenCounter) -> GenerationRequest:
         if request.prompt is not None:
             question = request.prompt
         elif request.messages:

@@ -35,7 +35,7 @@ class SystemPromptAdapter(Adapter):
             raise ValueError(f"template: only {{system}} and {{prompt}} may appear ({exc})") from None
         return cls(name, text, template, replace)
 
-    def prepare(self, request: GenerationRequest, count_tokens: TokenCounter) -> GenerationRequest:
+    def prepare_prompt(self, request: GenerationRequest, count_tokens: TokenCounter) -> GenerationRequest:
         if request.prompt is not None:
             return dataclasses.replace(request, prompt=self.template.format(system=self.text, prompt=request.prompt))
         if not request.messages:
