@@ -219,3 +219,20 @@ async def test_rag_answers_from_the_knowledge_base_on_the_embedded_model(docs, t
         assert (await client.wait_idle()).running == 0
     # The debug log echoes the prompt the adapter built (never at INFO: prompts stay out of logs).
     assert re.search(r"adapter prepared the request.*4417", logged.out + logged.err)
+
+
+def test_openai_clients_name_an_adapter_with_a_header(worker_process, sidecar):
+    import openai
+
+    worker = worker_process("--engine", "synthetic", "--set", "engine.served_name=synthetic",
+                            "--set", "adapters.named.long={type: system_prompt, text: " + "a b c d e f g h " * 8 + "}")
+    worker.wait_ready()
+    front = sidecar([worker.socket_path])
+    front.wait_ready()
+    client = openai.OpenAI(base_url=f"{front.http}/v1", api_key="unused", max_retries=0)
+    ask = dict(model="synthetic", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+    plain = client.chat.completions.create(**ask).usage.prompt_tokens
+    adapted = client.chat.completions.create(**ask, extra_headers={"x-cyllm-adapter": "long"}).usage.prompt_tokens
+    assert adapted > plain + 30
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(**ask, extra_headers={"x-cyllm-adapter": "none-such"})

@@ -7,7 +7,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, Request, State};
-use axum::http::{header, StatusCode};
+use axum::http::{header, HeaderMap, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -88,30 +88,40 @@ fn parse<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>, limit: usize)
     serde_json::from_slice(&body).map_err(|e| SidecarError::InvalidRequest(format!("invalid JSON body: {e}")))
 }
 
-async fn completions(State(state): State<Arc<HttpState>>, body: Result<Bytes, BytesRejection>) -> Response {
+async fn completions(State(state): State<Arc<HttpState>>, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Response {
     let id = format!("cmpl-{}", uuid::Uuid::new_v4().simple());
     let request: CompletionRequest = match parse(body, state.max_body_bytes) {
         Ok(request) => request,
         Err(error) => return error.into_response(),
     };
     let (stream, include_usage) = (request.sampling.stream, request.sampling.include_usage());
-    match request.into_proto(&id) {
+    match request.into_proto(&id).and_then(|proto| with_adapter(proto, &headers)) {
         Ok(proto) => respond(state, proto, Route::Completions, id, stream, include_usage).await,
         Err(error) => error.into_response(),
     }
 }
 
-async fn chat_completions(State(state): State<Arc<HttpState>>, body: Result<Bytes, BytesRejection>) -> Response {
+async fn chat_completions(State(state): State<Arc<HttpState>>, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Response {
     let id = format!("chatcmpl-{}", uuid::Uuid::new_v4().simple());
     let request: ChatRequest = match parse(body, state.max_body_bytes) {
         Ok(request) => request,
         Err(error) => return error.into_response(),
     };
     let (stream, include_usage) = (request.sampling.stream, request.sampling.include_usage());
-    match request.into_proto(&id) {
+    match request.into_proto(&id).and_then(|proto| with_adapter(proto, &headers)) {
         Ok(proto) => respond(state, proto, Route::ChatCompletions, id, stream, include_usage).await,
         Err(error) => error.into_response(),
     }
+}
+
+/// The worker's prompt adapter, which the OpenAI body has no field for: the `x-cyllm-adapter`
+/// header (the openai SDK's `extra_headers`).
+fn with_adapter(mut proto: PredictRequest, headers: &HeaderMap) -> Result<PredictRequest, SidecarError> {
+    if let Some(value) = headers.get("x-cyllm-adapter") {
+        let name = value.to_str().map_err(|_| SidecarError::InvalidRequest("x-cyllm-adapter: not ASCII".into()))?;
+        proto.adapter = name.trim().to_owned();
+    }
+    Ok(proto)
 }
 
 /// One choice's payload: chat has `message`/`delta`, completions have `text`.
