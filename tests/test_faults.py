@@ -23,23 +23,27 @@ async def unfinished(client) -> float:
     return float(re.search(r"^cyllm_engine_unfinished_requests (\S+)$", text, re.M).group(1))
 
 
+async def tokens_then_cancel(client, request: pb.PredictRequest, after: int) -> int:
+    """Reads `request`'s stream until `after` tokens arrived, then cancels it; returns the tokens seen."""
+    seen = 0
+    call = client.inference.StreamPredict(request)
+    async for reply in call:
+        seen += len(reply.token_ids)
+        if seen >= after:
+            call.cancel()
+            break
+    return seen
+
+
 async def test_ten_of_a_hundred_streams_cancelled_mid_stream():
     async with running_worker(**LOCKSTEP) as (worker, client):
         async def full(i: int) -> int:
             replies = await client.collect(synthetic_request(max_tokens=40, request_id=f"s{i}", return_token_ids=True))
             return sum(len(r.token_ids) for r in replies)
 
-        async def cancelled(i: int) -> int:
-            seen = 0
-            call = client.inference.StreamPredict(synthetic_request(max_tokens=40, request_id=f"c{i}", return_token_ids=True))
-            async for reply in call:
-                seen += len(reply.token_ids)
-                if seen >= 10:
-                    call.cancel()
-                    break
-            return seen
-
-        results = await asyncio.gather(*(full(i) for i in range(90)), *(cancelled(i) for i in range(10)))
+        cancelled = [tokens_then_cancel(client, synthetic_request(max_tokens=40, request_id=f"c{i}", return_token_ids=True), 10)
+                     for i in range(10)]
+        results = await asyncio.gather(*(full(i) for i in range(90)), *cancelled)
         assert results[:90] == [40] * 90
         assert all(10 <= n < 40 for n in results[90:])
         load = await client.wait_idle()
@@ -51,17 +55,8 @@ async def test_ten_of_a_hundred_streams_cancelled_mid_stream():
 
 async def test_all_hundred_cancelled_after_twenty_tokens():
     async with running_worker(**LOCKSTEP) as (worker, client):
-        async def leave_after_20(i: int) -> int:
-            seen = 0
-            call = client.inference.StreamPredict(synthetic_request(max_tokens=500, return_token_ids=True))
-            async for reply in call:
-                seen += len(reply.token_ids)
-                if seen >= 20:
-                    call.cancel()
-                    break
-            return seen
-
-        counts = await asyncio.gather(*(leave_after_20(i) for i in range(100)))
+        counts = await asyncio.gather(*(
+            tokens_then_cancel(client, synthetic_request(max_tokens=500, return_token_ids=True), 20) for _ in range(100)))
         assert all(n >= 20 for n in counts)
         load = await client.wait_idle()
         assert (load.running, load.queued, load.budget_tokens_used) == (0, 0, 0)
