@@ -320,3 +320,28 @@ def test_the_sidecar_dies_mid_stream(worker_process, sidecar):
     again.wait_ready()
     with grpc.insecure_channel(f"127.0.0.1:{again.grpc_port}") as channel:
         assert list(pb_grpc.InferenceServiceStub(channel).StreamPredict(synthetic_request(max_tokens=3)))[-1].usage.completion_tokens == 3
+
+
+async def test_a_client_that_reads_nothing_is_cut_off_after_the_stall_limit():
+    """Flow control holds the worker's writes once the client's window is full; past
+    server.stall_timeout_s the stream ends RESOURCE_EXHAUSTED and its slot is free, while the
+    engine's pending output for it stays one merged message (bounded by max_tokens)."""
+    from worker.gen.cyllm.inference.v1 import inference_pb2_grpc as pb_grpc
+
+    settings = {"server.stall_timeout_s": "1", "engine.args": "{tokens_per_s: 200000, max_model_len: 1000000, "
+                "budget_tokens: 100000000}"}
+    async with running_worker(**settings) as (worker, client):
+        # A small receive window and no BDP growth, so a client that does not read fills it quickly.
+        options = [("grpc.http2.lookahead_bytes", 16384), ("grpc.http2.bdp_probe", 0)]
+        async with grpc.aio.insecure_channel(f"unix:{worker.config.server.socket}", options=options) as channel:
+            call = pb_grpc.InferenceServiceStub(channel).StreamPredict(synthetic_request(max_tokens=400_000))
+            assert (await call.read()).text
+            started = time.monotonic()
+            load = await client.wait_idle(timeout=10)  # read nothing meanwhile
+            assert load.running == 0 and time.monotonic() - started < 8
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                while await call.read() is not grpc.aio.EOF:
+                    pass
+            assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "read nothing" in error.value.details()
+        assert await unfinished(client) == 0
+        assert await client.status_of(synthetic_request()) == grpc.StatusCode.OK

@@ -43,6 +43,9 @@ class ServerConfig:
     stops serving and exits non-zero so it is restarted; a success resets the count."""
     exit_with_parent: bool = False
     """Exit when the process that started the worker dies (sidecar, container init)."""
+    stall_timeout_s: float = 60.0
+    """A stream whose client takes no message for this long (HTTP/2 flow control holding the
+    worker's writes) ends RESOURCE_EXHAUSTED and its slot is freed; 0 waits for ever."""
     exit_on_load_failure: bool = True
     """A model that fails to load stops the worker (exit code 3, so a supervisor restarts it);
     false keeps it alive and never ready, answering UNAVAILABLE with the load error."""
@@ -59,6 +62,7 @@ class ServerConfig:
         _check_range("server.drain_timeout_s", self.drain_timeout_s, 0, 3600)
         _check_range("server.max_consecutive_engine_errors", self.max_consecutive_engine_errors, 1, 1_000_000)
         _check_range("server.progress_timeout_s", self.progress_timeout_s, 0, 86_400)
+        _check_range("server.stall_timeout_s", self.stall_timeout_s, 0, 86_400)
         _check_range("server.max_messages_per_s", self.max_messages_per_s, 0, 1e9)
         _check_range("server.max_receive_message_bytes", self.max_receive_message_bytes, 1024, 1 << 30)
         if self.log_level.lower() not in {"debug", "info", "warning", "error"}:

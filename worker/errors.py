@@ -40,6 +40,13 @@ class OverBudget(WorkerError):
     reason = "over_budget"
 
 
+class ClientStalled(WorkerError):
+    """The client took no message for server.stall_timeout_s; generating on would only fill memory."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    reason = "client_stalled"
+
+
 class DeviceOutOfMemory(WorkerError):
     """The device ran out of memory on this request; caches were freed and others go on."""
 

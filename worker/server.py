@@ -19,6 +19,7 @@ from worker.config import Config
 from worker.engines.base import BaseEngine, RequestStream
 from worker.errors import (
     AdapterNotFound,
+    ClientStalled,
     DeviceOutOfMemory,
     Draining,
     EngineDead,
@@ -34,7 +35,7 @@ from worker.gen.cyllm.inference.v1 import inference_pb2 as pb
 from worker.gen.cyllm.inference.v1 import inference_pb2_grpc as pb_grpc
 from worker.listener import SocketOwnership
 from worker.request import GenerationRequest
-from worker.scheduler import TaskScheduler
+from worker.scheduler import Grant, TaskScheduler
 from worker.telemetry import Metrics, get_logger
 
 log = get_logger(__name__)
@@ -55,6 +56,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self.metrics = metrics
         self.defaults = config.sampling
         self.max_messages_per_s = config.server.max_messages_per_s
+        self.stall_timeout_s = config.server.stall_timeout_s
         self.max_consecutive_engine_errors = config.server.max_consecutive_engine_errors
         self.consecutive_engine_errors = 0
         # Set by the Worker: called once faults in a row say the device is not coming back.
@@ -129,7 +131,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                     response.timing.total_ms = (now - arrived) * 1000
                 elif not output.text and not response.token_ids:
                     continue
-                yield response
+                await self._send(context, response)
                 if self.max_messages_per_s and not finished:
                     spacing = len(self._streams) / self.max_messages_per_s
                     if spacing > 0.0005:  # below this a timer costs more than the message it saves
@@ -138,9 +140,12 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             status, detail = status_for(exc)
             if isinstance(exc, (DeviceOutOfMemory, EngineRequestError)):
                 self._count_engine_error()
+            if isinstance(exc, ClientStalled):
+                # The status queues behind the data the client has not read: free the slot now.
+                self._release(stream, grant, timer, finished)
+                stream = grant = timer = None
             await _abort(context, status, detail)
-        except (asyncio.CancelledError, GeneratorExit):
-            # grpc cancels the handler task, or closes this generator at a yield.
+        except asyncio.CancelledError:  # the client left, or grpc ended the call at its deadline
             past_deadline = deadline is not None and time.monotonic() >= deadline
             status = grpc.StatusCode.DEADLINE_EXCEEDED if past_deadline else grpc.StatusCode.CANCELLED
             raise
@@ -149,18 +154,34 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             status, detail = status_for(exc)
             await _abort(context, status, detail)
         finally:
-            if timer is not None:
-                timer.cancel()
-            if stream is not None:
-                self._streams.pop(id(stream), None)
-                if not finished:
-                    self.engine.abort(stream)
-            if grant is not None:
-                self.scheduler.release(grant)
+            self._release(stream, grant, timer, finished)
             self._record(request_id, status, arrived, first_token_at, completion_tokens)
             self._in_flight -= 1
             if self._in_flight == 0:
                 self.idle.set()
+
+    def _release(self, stream: RequestStream | None, grant: Grant | None, timer: asyncio.TimerHandle | None,
+                 finished: bool) -> None:
+        """Gives back what a call holds: its deadline timer, the engine's request, the slot and budget."""
+        if timer is not None:
+            timer.cancel()
+        if stream is not None:
+            self._streams.pop(id(stream), None)
+            if not finished:
+                self.engine.abort(stream)
+        if grant is not None:
+            self.scheduler.release(grant)
+
+    async def _send(self, context: grpc.aio.ServicerContext, response: pb.PredictResponse) -> None:
+        """Writes one message; a write that flow control holds past the stall limit ends the call."""
+        if not self.stall_timeout_s:
+            await context.write(response)
+            return
+        try:
+            async with asyncio.timeout(self.stall_timeout_s):
+                await context.write(response)
+        except TimeoutError:
+            raise ClientStalled(f"the client read nothing for {self.stall_timeout_s:g} s; stream ended") from None
 
     def _count_engine_error(self) -> None:
         self.consecutive_engine_errors += 1
