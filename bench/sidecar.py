@@ -14,7 +14,6 @@ Writes bench/results/sidecar.json and sidecar.png. Needs `cargo build --release`
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
@@ -165,7 +164,7 @@ def per_message(runs: int) -> dict:
             port = free_port()
             relay = subprocess.Popen(["socat", f"TCP-LISTEN:{port},bind=127.0.0.1,fork,reuseaddr,nodelay",
                                       f"UNIX-CONNECT:{lockstep.socket}"])
-            time.sleep(0.5)
+            time.sleep(0.5)  # socat binds after fork; it prints nothing to wait on
             floor = added_per_message(pool, direct, f"127.0.0.1:{port}", runs)
             result["byte_relay"] = {k: v for k, v in floor.items() if k != "added_ms_samples"}
     finally:

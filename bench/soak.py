@@ -158,7 +158,7 @@ def main() -> int:
                     if reply.status == 200:
                         break
             except OSError:
-                time.sleep(0.1)
+                time.sleep(0.1)  # the sidecar is starting; /readyz is the only signal
         survivor = workers[0].pid
         asyncio.run(drive(f"127.0.0.1:{grpc_port}", 2000, args.concurrency, lambda: None))  # warm-up
         before = {"rss_mb": rss_mb(survivor), "fds": fds(survivor)}
@@ -167,7 +167,7 @@ def main() -> int:
             workers[1].send_signal(signal.SIGKILL)
             workers[1].wait()
             events.append({"at": time.time(), "event": "worker w1 killed with SIGKILL"})
-            time.sleep(1)
+            time.sleep(1)  # traffic runs on one worker for a while, as after a real crash
             workers[1] = start_worker(sockets[1])  # replaces the stale socket
             events.append({"at": time.time(), "event": "worker w1 restarted"})
 

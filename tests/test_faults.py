@@ -4,6 +4,7 @@ status, and every slot and budget taken is given back (created == released)."""
 import asyncio
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -68,14 +69,21 @@ async def test_a_client_that_leaves_while_queued_costs_no_engine_work():
         engine_requests = []
         original = worker.engine.stream_predict
         worker.engine.stream_predict = lambda request: (engine_requests.append(request.request_id), original(request))[1]
-        holder = asyncio.create_task(client.collect(synthetic_request(max_tokens=50, request_id="holder")))
-        while (await client.load()).running == 0:
-            await asyncio.sleep(0.01)
+        admitting = asyncio.Event()
+        admit = worker.scheduler.admit
+
+        async def admit_and_tell(*args, **kwargs):
+            admitting.set()  # the caller is queued by the time this coroutine first waits
+            return await admit(*args, **kwargs)
+
+        holder = client.inference.StreamPredict(synthetic_request(max_tokens=50, request_id="holder"))
+        await holder.read()  # running: the one slot is taken
+        worker.scheduler.admit = admit_and_tell
         queued = client.inference.StreamPredict(synthetic_request(max_tokens=5, request_id="leaver"))
-        while (await client.load()).queued == 0:
-            await asyncio.sleep(0.01)
+        await admitting.wait()
         queued.cancel()
-        await holder
+        while await holder.read() is not grpc.aio.EOF:
+            pass
         await client.wait_idle()
         assert engine_requests == ["holder"]
         assert worker.scheduler.rejections["cancelled"] == 1
@@ -105,21 +113,17 @@ def test_the_worker_exits_when_its_parent_dies():
     parent = subprocess.Popen(["bash", "-c", script], stdout=subprocess.PIPE, text=True, cwd=REPO,
                               start_new_session=True)
     worker_pid = int(parent.stdout.readline())
-    deadline = time.monotonic() + 60
-    while not os.path.exists(f"{socket_dir}/w.sock") and time.monotonic() < deadline:
-        time.sleep(0.05)
-    parent.kill()
-    parent.wait()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            os.kill(worker_pid, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.1)
-    else:
-        os.kill(worker_pid, signal.SIGKILL)
-        pytest.fail("the worker outlived its parent by 10 s")
+    exited = os.pidfd_open(worker_pid)  # readable once the worker (not our child) exits
+    try:
+        with grpc.insecure_channel(f"unix:{socket_dir}/w.sock") as channel:
+            grpc.channel_ready_future(channel).result(timeout=60)
+        parent.kill()
+        parent.wait()
+        if not select.select([exited], [], [], 10)[0]:
+            os.kill(worker_pid, signal.SIGKILL)
+            pytest.fail("the worker outlived its parent by 10 s")
+    finally:
+        os.close(exited)
 
 
 def test_the_worker_has_no_tcp_listener_and_keeps_prompts_out_of_info_logs(worker_process):
@@ -276,6 +280,7 @@ def test_a_model_that_fails_to_load(worker_process, tmp_path):
     with grpc.insecure_channel(f"unix:{staying.socket_path}") as channel:
         health = health_pb2_grpc.HealthStub(channel)
         deadline = time.monotonic() + 60
+        # A live worker whose load failed shows it only in its log and its answers: watch the log.
         while "model failed to load" not in staying.log():
             assert time.monotonic() < deadline and staying.proc.poll() is None, staying.log()
             time.sleep(0.1)
@@ -310,6 +315,7 @@ def test_the_sidecar_dies_mid_stream(worker_process, sidecar):
     with grpc.insecure_channel(f"unix:{worker.socket_path}") as channel:
         control = pb_grpc.WorkerControlStub(channel)
         deadline = time.monotonic() + 5
+        # The worker learns of the lost connection on its own; nothing tells this process when.
         while control.GetLoad(pb.GetLoadRequest()).running and time.monotonic() < deadline:
             time.sleep(0.05)
         assert control.GetLoad(pb.GetLoadRequest()).running == 0

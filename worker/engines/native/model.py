@@ -145,12 +145,15 @@ class Elementwise:
     layer, which at small batches cost more than the layer's GEMMs; on CUDA `compile()` fuses each
     function into one kernel (torch.compile, dynamic in the token dimension)."""
 
+    FUNCTIONS = (rms_norm, add_rms_norm, rotate, silu_and_mul)
+
     def __init__(self):
-        self.rms_norm, self.add_rms_norm, self.rotate, self.silu_and_mul = rms_norm, add_rms_norm, rotate, silu_and_mul
+        for function in self.FUNCTIONS:
+            setattr(self, function.__name__, function)
 
     def compile(self) -> None:
-        for name in ("rms_norm", "add_rms_norm", "rotate", "silu_and_mul"):
-            setattr(self, name, torch.compile(globals()[name], dynamic=True, fullgraph=True))
+        for function in self.FUNCTIONS:
+            setattr(self, function.__name__, torch.compile(function, dynamic=True, fullgraph=True))
 
 
 class RMSNorm(nn.Module):
