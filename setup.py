@@ -1,4 +1,5 @@
-"""Runs proto/generate.py before packaging, so the gRPC stubs always come from proto/."""
+"""Writes the gRPC stubs from proto/ into worker/gen/ before anything is packaged, and packs the
+dependency registry into the wheel."""
 
 import importlib.util
 from pathlib import Path
@@ -9,14 +10,24 @@ from setuptools.command.build_py import build_py
 ROOT = Path(__file__).resolve().parent
 
 
-class GenerateThenBuild(build_py):
+def generate_stubs() -> None:
+    spec = importlib.util.spec_from_file_location("proto_generate", ROOT / "proto" / "generate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    # Into the source tree: editable installs import from there, wheels copy it from there.
+    module.generate(ROOT)
+
+
+class BuildWithRegistry(build_py):
     def run(self) -> None:
-        spec = importlib.util.spec_from_file_location("proto_generate", ROOT / "proto" / "generate.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        # Into the source tree: editable installs import from there, wheels copy it from there.
-        module.generate(ROOT)
         super().run()
+        # The registry and its schema travel inside the package, for `cy-llm setup` from a wheel.
+        if not self.editable_mode:
+            target = Path(self.build_lib) / "worker" / "deps"
+            for name in ("dependency_registry.json", "dependency_registry.schema.json"):
+                self.copy_file(str(ROOT / "deploy" / name), str(target / name))
 
 
-setup(cmdclass={"build_py": GenerateThenBuild})
+# Before setup(): its package discovery must see worker/gen/, which a fresh clone does not have.
+generate_stubs()
+setup(cmdclass={"build_py": BuildWithRegistry})

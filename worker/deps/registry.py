@@ -13,7 +13,10 @@ import jsonschema
 
 from worker.deps.hardware import HardwareProfile
 
-DEFAULT_REGISTRY = Path(__file__).resolve().parents[2] / "deploy" / "dependency_registry.json"
+# The checkout's deploy/ folder; an installed wheel carries a copy inside this package (setup.py).
+_CHECKOUT_REGISTRY = Path(__file__).resolve().parents[2] / "deploy" / "dependency_registry.json"
+DEFAULT_REGISTRY = (_CHECKOUT_REGISTRY if _CHECKOUT_REGISTRY.is_file()
+                    else Path(__file__).resolve().with_name("dependency_registry.json"))
 # The schema this code understands, whichever registry file is loaded.
 SCHEMA = DEFAULT_REGISTRY.with_name("dependency_registry.schema.json")
 WORKER_ENGINES = ("transformers", "native", "vllm", "trtllm")
