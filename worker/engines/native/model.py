@@ -7,6 +7,7 @@ tokens alike) and, per sequence, where its tokens go in the cache and which cach
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -273,6 +274,8 @@ def load_model(folder: Path, dtype: torch.dtype, device: torch.device) -> LlamaM
         model = LlamaModel(config)
     state = {}
     for path in sorted(folder.glob("*.safetensors")):
+        if not os.access(path, os.R_OK):  # safetensors reports this as "No such file or directory"
+            raise PermissionError(f"{path}: not readable by uid {os.getuid()} (mode {path.stat().st_mode & 0o777:o})")
         state.update({k.removeprefix("model."): v for k, v in load_file(path).items()})
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
