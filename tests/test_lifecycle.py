@@ -176,6 +176,24 @@ def test_an_engine_that_stops_making_progress_is_not_ready_but_alive(worker_proc
         time.sleep(0.1)
     assert health_status(worker.socket_path, "") == health_pb2.HealthCheckResponse.SERVING
     assert "engine made no progress" in worker.log()
+    # The probes containers run: alive, not ready.
+    assert health_cli("--socket", worker.socket_path).returncode == 0
+    not_ready = health_cli("--socket", worker.socket_path, "--ready")
+    assert not_ready.returncode == 1 and "NOT_SERVING" in not_ready.stdout
+
+
+def health_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "worker", "health", *args], capture_output=True, text=True, cwd=REPO,
+                          timeout=30)
+
+
+def test_health_cli_on_a_ready_worker_and_on_no_worker(worker_process):
+    worker = worker_process(*SYNTHETIC)
+    worker.wait_ready()
+    ready = health_cli("--socket", worker.socket_path, "--ready")
+    assert ready.returncode == 0 and "SERVING" in ready.stdout
+    missing = health_cli("--socket", f"{worker.socket_dir}/nobody.sock", "--timeout", "1")
+    assert missing.returncode == 1 and "UNAVAILABLE" in missing.stdout
 
 
 def test_a_dead_engine_fails_every_stream_and_exits_non_zero(worker_process):

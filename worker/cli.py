@@ -64,6 +64,12 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--timeout", type=float, help="gRPC deadline in seconds")
     gen.add_argument("--wait", type=float, default=0.0, help="wait up to this many seconds for the worker to be ready")
 
+    health = commands.add_parser("health", help="probe a worker over its socket: exit 0 when SERVING")
+    _config_args(health)
+    health.add_argument("--ready", action="store_true", help="the inference service (model loaded, making progress), "
+                                                             "not only the process")
+    health.add_argument("--timeout", type=float, default=3.0)
+
     models = commands.add_parser("models", help="embedded models")
     model_commands = models.add_subparsers(dest="models_command", required=True)
     prepare = model_commands.add_parser("prepare", help="convert an embedded model into the cache once")
@@ -117,6 +123,10 @@ def main(argv: list[str] | None = None) -> int:
             return _serve(_build_config(args))
         if args.command == "generate":
             return _generate(args, _build_config(args))
+        if args.command == "health":
+            from worker.client import check_health
+
+            return check_health(_build_config(args).server.socket, args.ready, args.timeout)
         if args.command == "models":
             return _models(args)
         if args.command == "bench":

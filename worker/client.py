@@ -36,6 +36,21 @@ def wait_until_ready(channel: grpc.Channel, timeout_s: float) -> bool:
     return False
 
 
+def check_health(socket_path: str, ready: bool, timeout_s: float, out: TextIO = sys.stdout) -> int:
+    """One grpc.health.v1 Check: the process (alive) or the inference service (ready). 0 when SERVING."""
+    service = INFERENCE_SERVICE if ready else ""
+    with channel_for(socket_path) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+        except grpc.RpcError as exc:
+            print(f"{socket_path}: {exc.code().name} {exc.details() or ''}".rstrip(), file=out)
+            return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(f"{socket_path} {service or '(process)'}: {status}", file=out)
+    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
 def build_request(prompt: str, chat: bool = False, **fields: Any) -> pb.PredictRequest:
     """A PredictRequest from CLI-style keyword fields; sampling fields left as None stay unset."""
     sampling_names = {f.name for f in pb.SamplingParams.DESCRIPTOR.fields}

@@ -18,8 +18,12 @@ pub enum RoutingMode {
 #[command(name = "cy-llm-sidecar", version, about = "Gateway-facing sidecar for cy-llm workers")]
 pub struct Args {
     /// Worker socket, e.g. unix:///run/cy-llm/w0.sock (repeat the flag, or comma-separate in env).
-    #[arg(long = "worker", env = "CYLLM_SIDECAR_WORKERS", value_delimiter = ',', required = true)]
+    #[arg(long = "worker", env = "CYLLM_SIDECAR_WORKERS", value_delimiter = ',', required_unless_present = "probe")]
     pub workers: Vec<String>,
+    /// Probe a running sidecar instead of serving: GET this path (e.g. /readyz) on --http-addr,
+    /// exit 0 on 200. For container HEALTHCHECKs, which have no curl.
+    #[arg(long, value_name = "PATH")]
+    pub probe: Option<String>,
     /// gRPC listener (InferenceService, health, reflection).
     #[arg(long, env = "CYLLM_SIDECAR_GRPC_ADDR", default_value = "0.0.0.0:50051")]
     pub grpc_addr: SocketAddr,

@@ -10,6 +10,7 @@ mod http;
 mod metrics;
 mod openai;
 mod pool;
+mod probe;
 mod proto;
 mod routing;
 
@@ -31,6 +32,9 @@ use crate::proto::inference_service_server::InferenceServiceServer;
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    if let Some(path) = &args.probe {
+        std::process::exit(probe::run(args.http_addr, path));
+    }
     let mut runtime = match args.threads {
         1 => tokio::runtime::Builder::new_current_thread(),
         0 => tokio::runtime::Builder::new_multi_thread(),
@@ -50,6 +54,7 @@ async fn serve(args: Args) -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let keys = ApiKeys::new(args.load_api_keys()?);
+    let auth_enabled = keys.enabled();
     let handle = metrics::install()?;
     let pool = Arc::new(Pool::new(&args.workers, args.breaker_failures, Duration::from_secs_f64(args.breaker_cooldown_s))?);
     pool.spawn_watchers(Duration::from_secs_f64(args.load_poll_s));
@@ -83,7 +88,7 @@ async fn serve(args: Args) -> anyhow::Result<()> {
     let metrics_app = metrics::app(metrics::MetricsState { handle, gateway: gateway.clone() });
     let metrics_server = axum::serve(metrics_listener, metrics_app).with_graceful_shutdown(stopped(stop_rx.clone()));
     tracing::info!(grpc = %args.grpc_addr, http = %args.http_addr, metrics = %args.metrics_addr,
-                   workers = ?args.workers, auth = !args.api_keys.is_empty() || args.api_keys_file.is_some(), "listening");
+                   workers = ?args.workers, auth = auth_enabled, "listening");
 
     let servers = async { tokio::try_join!(async { grpc.await.map_err(anyhow::Error::from) }, async { http.await.map_err(anyhow::Error::from) }, async { metrics_server.await.map_err(anyhow::Error::from) }) };
     tokio::pin!(servers);
