@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -48,10 +49,10 @@ def system_tools() -> None:
     if not conf.exists():
         # crun refuses this VM's hybrid cgroups, and root lacks CAP_SYS_RESOURCE for podman's default
         # ulimits: runc, and ulimits at the hard limits we already have.
-        nofile = run("sh", "-c", "ulimit -Hn", capture=True).stdout.strip()
-        nproc = run("sh", "-c", "ulimit -Hu", capture=True).stdout.strip()
-        pid_max = Path("/proc/sys/kernel/pid_max").read_text().strip()
-        nproc = pid_max if nproc == "unlimited" else str(min(int(nproc), int(pid_max)))
+        nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        nproc = resource.getrlimit(resource.RLIMIT_NPROC)[1]
+        pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+        nproc = pid_max if nproc == resource.RLIM_INFINITY else min(nproc, pid_max)
         conf.parent.mkdir(parents=True, exist_ok=True)
         conf.write_text(f'[containers]\ndefault_ulimits = ["nofile={nofile}:{nofile}", "nproc={nproc}:{nproc}"]\n'
                         f'[engine]\nruntime = "runc"\n')
