@@ -62,6 +62,17 @@ def non_root(containers: dict[str, str]) -> None:
               f"{name}'s processes run as {sorted(set(users))}")
 
 
+def worker_socket_only(worker: str) -> None:
+    """The worker's container (a network namespace of its own under compose) listens on no TCP port,
+    and its socket is 0660 in a 0750 folder, both its user's."""
+    modes = run("podman", "exec", worker, "stat", "-c", "%a %U", "/run/cy-llm", "/run/cy-llm/worker.sock",
+                capture=True).stdout.split("\n")
+    check(modes[:2] == ["750 cyllm", "660 cyllm"], f"worker socket folder and socket: {modes[:2]}")
+    tables = run("podman", "exec", worker, "cat", "/proc/net/tcp", "/proc/net/tcp6", capture=True).stdout
+    listening = [line for line in tables.splitlines()[1:] if line.split()[3:4] == ["0A"]]  # state 0A: LISTEN
+    check(not listening, f"the worker listens on no TCP port ({len(listening)} listeners)")
+
+
 def stream_outlives_sigterm(grpc_port: int, stop, containers: dict[str, str], grace_s: float, where: str) -> None:
     """`stop()` sends SIGTERM during a stream: the stream still ends OK with every token, the stop
     returns within the grace period, and the worker and the sidecar exit 0 (they drained)."""

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import yaml
 
-from checks import answers, non_root, prometheus_scraped, stream_outlives_sigterm
+from checks import answers, non_root, prometheus_scraped, stream_outlives_sigterm, worker_socket_only
 from common import CACHE, IMAGE, PROMETHEUS, REPO, get, run, step, timings, wait_for
 from images import base_images, build, lint, python_tools, system_tools
 
@@ -132,10 +132,11 @@ def compose_stack(compose_binary: str) -> None:
             with step("compose up (until /readyz)"):
                 stack("up", "-d", "--no-build")  # returns once the sidecar's dependency is healthy
                 wait_for("/readyz", lambda: ready(stack.ports["CYLLM_HTTP_PORT"]), 300)
-            with step("compose: requests, Prometheus, users"):
+            with step("compose: requests, Prometheus, users, socket"):
                 answers(stack.ports["CYLLM_GRPC_PORT"], stack.ports["CYLLM_HTTP_PORT"], "compose")
                 prometheus_scraped(stack.ports["PROMETHEUS_PORT"])
                 non_root(stack.ours())
+                worker_socket_only(stack.ours()["worker"])
             with step("compose stop during a stream"):
                 stream_outlives_sigterm(stack.ports["CYLLM_GRPC_PORT"], lambda: stack("stop"), stack.ours(),
                                         COMPOSE_GRACE_S, "compose")
