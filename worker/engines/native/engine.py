@@ -243,6 +243,8 @@ class NativeEngine(ThreadedEngine):
         self._waiting.appendleft(seq)
 
     def _forward(self, scheduled: list[tuple[Sequence, int]]) -> torch.Tensor:
+        if self.graphs is not None and len(scheduled) <= self.graphs.max_batch and all(c == 1 for _, c in scheduled):
+            return self._decode_in_graph(scheduled)
         block_size = self.blocks.block_size
         ids, positions, slots, last = [], [], [], []
         for seq, count in scheduled:
@@ -253,9 +255,6 @@ class NativeEngine(ThreadedEngine):
                 slots.append(seq.blocks.blocks[position // block_size] * block_size + position % block_size)
             last.append(len(ids) - 1)
         device = self.device
-        if self.graphs is not None and len(ids) == len(scheduled) <= self.graphs.max_batch:
-            return self.graphs.run(ids, positions, slots, [s.blocks.blocks for s, _ in scheduled],
-                                   [s.num_cached + 1 for s, _ in scheduled])
         batch = Batch(
             input_ids=torch.tensor(ids, device=device), positions=torch.tensor(positions, device=device),
             slots=torch.tensor(slots, device=device), query_lens=[c for _, c in scheduled],
@@ -271,6 +270,23 @@ class NativeEngine(ThreadedEngine):
                 self._post(seq.stream.fail, DeviceOutOfMemory("device out of memory on this step"))
             return None
 
+    def _decode_in_graph(self, scheduled: list[tuple[Sequence, int]]) -> torch.Tensor:
+        """One token per sequence, through the captured graphs: the inputs go straight into the
+        graphs' pinned host buffers (at batch 256 this loop is most of the engine thread's step)."""
+        block_size = self.blocks.block_size
+        (ids, positions, slots, lens), tables = self.graphs.host_inputs()
+        width = 0
+        for row, (seq, _) in enumerate(scheduled):
+            position = seq.num_cached
+            table = seq.blocks.blocks
+            ids[row] = seq.tokens[position]
+            positions[row] = position
+            slots[row] = table[position // block_size] * block_size + position % block_size
+            lens[row] = position + 1
+            tables[row, :len(table)] = table
+            width = max(width, len(table))
+        return self.graphs.run(len(scheduled), width)
+
     def _postprocess(self, scheduled: list[tuple[Sequence, int]], logits: torch.Tensor | None) -> None:
         if logits is None:
             return
@@ -283,7 +299,9 @@ class NativeEngine(ThreadedEngine):
                 ready.append(seq)
         if not ready:
             return
-        tokens = sample(logits[rows], [s.request.sampling for s in ready], [s.generator for s in ready],
+        if len(rows) < len(scheduled):  # else every row: no index tensor to build and copy over
+            logits = logits[rows]
+        tokens = sample(logits, [s.request.sampling for s in ready], [s.generator for s in ready],
                         [s.request.prompt_token_ids for s in ready], [s.output_ids for s in ready])
         outputs = []
         for seq, token in zip(ready, tokens):

@@ -10,6 +10,7 @@ are attributes here, never temporaries of the capture.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from worker.engines.native.model import Batch, LlamaModel
@@ -32,6 +33,11 @@ class DecodeGraphs:
         self.input_ids, self.positions, self.slots, self.lens = self.packed
         self.slots.fill_(scratch_slot)
         self.tables = torch.zeros(largest, max_blocks, dtype=torch.int32, device=device)
+        # Their host side, pinned: a step writes its inputs there in place (numpy views, no Python
+        # lists turned into tensors) and they go over without blocking the engine thread.
+        self.host_packed = torch.zeros(4, largest, dtype=torch.long, pin_memory=True)
+        self.host_tables = torch.zeros(largest, max_blocks, dtype=torch.int32, pin_memory=True)
+        self.copied = torch.cuda.Event()
         self.rows = torch.arange(largest, device=device)  # every row is a last token
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -56,16 +62,21 @@ class DecodeGraphs:
     def max_batch(self) -> int:
         return self.sizes[-1]
 
-    def run(self, input_ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
-            lens: list[int]) -> torch.Tensor:
-        """Logits (n, vocab) of n one-token decodes; valid until the next run."""
-        n = len(input_ids)
+    def host_inputs(self) -> tuple[np.ndarray, np.ndarray]:
+        """(packed (4, max_batch): ids, positions, slots, lengths; tables (max_batch, max_blocks)) to
+        fill for the next run, once the last run's copies out of them are done."""
+        self.copied.synchronize()
+        return self.host_packed.numpy(), self.host_tables.numpy()
+
+    def run(self, n: int, width: int) -> torch.Tensor:
+        """Logits (n, vocab) of the n one-token decodes in rows [0, n) of the host inputs, whose block
+        tables are at most `width` long; valid until the next run."""
         size = next(s for s in self.sizes if s >= n)
-        width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
-        pad = [0] * (size - n)
-        self.packed[:, :size].copy_(torch.tensor([input_ids + pad, positions + pad,
-                                                  slots + [self.scratch_slot] * (size - n), lens + pad]))
-        self.tables[:n, :width].copy_(torch.tensor(padded, dtype=torch.int32))
+        packed = self.host_packed.numpy()
+        packed[:, n:size] = 0  # padding rows: length 0, their K/V written to the scratch slot
+        packed[2, n:size] = self.scratch_slot
+        self.packed[:, :size].copy_(self.host_packed[:, :size], non_blocking=True)
+        self.tables[:n, :width].copy_(self.host_tables[:n, :width], non_blocking=True)
+        self.copied.record()
         self.graphs[size].replay()
         return self.logits[size][:n]
