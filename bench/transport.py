@@ -39,8 +39,11 @@ def wait_ready(socket_path: str, proc: subprocess.Popen, timeout: float = 300) -
 
 
 def bench_once(args: list[str]) -> dict:
-    out = subprocess.run(cy_llm("bench", *args), capture_output=True, text=True, check=True, cwd=REPO)
-    return json.loads(out.stdout)
+    # Through a file: an engine may log to stdout (vLLM does).
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run(cy_llm("bench", *args, "--json", f"{tmp}/result.json"), capture_output=True, text=True,
+                       check=True, cwd=REPO)
+        return json.loads(Path(f"{tmp}/result.json").read_text())
 
 
 def compare(name: str, engine_args: list[str], cases: list[tuple[int, int]]) -> list[dict]:
