@@ -1,7 +1,7 @@
 # cy-llm: the worker (Python) and the sidecar (Rust) in one image.
 #
 #   CPU, the native engine and the embedded model (the defaults):
-#     docker build -t cy-llm .
+#     docker build -t cy-llm --label org.opencontainers.image.revision="$(git rev-parse HEAD)" .
 #   NVIDIA GPUs, vLLM, models mounted at run time:
 #     docker build -t cy-llm:cuda --build-arg BASE_IMAGE=docker.io/nvidia/cuda:12.9.1-runtime-ubuntu24.04 \
 #       --build-arg ENGINE=vllm --build-arg HARDWARE=nvidia-hopper --build-arg EMBEDDED_MODEL= .
@@ -36,13 +36,13 @@ RUN apt-get update \
  && useradd --system --uid 10001 --gid 10001 --home-dir /var/lib/cy-llm --create-home --shell /usr/sbin/nologin cyllm \
  && install -d -o 10001 -g 10001 -m 0750 /run/cy-llm \
  && install -d -o 10001 -g 10001 -m 0755 /var/cache/cy-llm
+# Per-build labels (org.opencontainers.image.revision, .created) are given at build time with
+# --label: buildah reuses a cached LABEL layer even when a build argument in it changed.
 ARG VERSION=0.1.0
-ARG REVISION=unknown
 LABEL org.opencontainers.image.title="cy-llm" \
       org.opencontainers.image.description="LLM inference worker (StreamPredict over a Unix socket) and its gateway-facing sidecar" \
       org.opencontainers.image.licenses="Apache-2.0" \
       org.opencontainers.image.version="${VERSION}" \
-      org.opencontainers.image.revision="${REVISION}" \
       org.opencontainers.image.source="https://github.com/cy-llm/cy-llm"
 VOLUME ["/run/cy-llm"]
 ENTRYPOINT ["/usr/bin/tini", "--"]

@@ -157,7 +157,8 @@ def proxy_ca() -> list[str]:
 def build() -> None:
     revision = run("git", "rev-parse", "HEAD", cwd=REPO, capture=True, check=False).stdout.strip() or "unknown"
     common = ["podman", "build", "--format", "docker", "--build-arg", f"BASE_IMAGE={BASE}",
-              "--build-arg", f"RUST_IMAGE={RUST}", "--build-arg", f"REVISION={revision}", *proxy_ca()]
+              "--build-arg", f"RUST_IMAGE={RUST}", "--label", f"org.opencontainers.image.revision={revision}",
+              *proxy_ca()]
     with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
         run(*common, *find_links_context(tmp), "-t", IMAGE, str(REPO))
     run(*common, "--target", "sidecar", "-t", SIDECAR_IMAGE, str(REPO))
@@ -173,7 +174,9 @@ def build() -> None:
     check(config["User"] == "10001:10001", f"image user is {config['User']} (non-root)")
     uid = run("podman", "run", "--rm", IMAGE, "id", "-u", capture=True).stdout.strip()
     check(uid == "10001", "a container of the image runs as uid 10001")
-    check(bool(image.get("Healthcheck")) and config["Labels"].get("org.opencontainers.image.revision") == revision,
-          "HEALTHCHECK and OCI labels in the image")
+    labels = config["Labels"]
+    check(bool(image.get("Healthcheck")) and labels.get("org.opencontainers.image.title") == "cy-llm"
+          and labels.get("org.opencontainers.image.revision") == revision,
+          f"HEALTHCHECK and OCI labels in the image (revision {revision[:12]})")
 
 
