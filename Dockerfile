@@ -45,14 +45,14 @@ LABEL org.opencontainers.image.title="cy-llm" \
       org.opencontainers.image.version="${VERSION}" \
       org.opencontainers.image.source="https://github.com/cy-llm/cy-llm"
 VOLUME ["/run/cy-llm"]
+ENV CYLLM_SIDECAR_WORKERS=unix:///run/cy-llm/worker.sock
+EXPOSE 50051 8080 9090
 ENTRYPOINT ["/usr/bin/tini", "--"]
 
 # --- the sidecar alone ---
 FROM base AS sidecar
 COPY --from=sidecar-build /out/cy-llm-sidecar /usr/local/bin/cy-llm-sidecar
 USER 10001:10001
-ENV CYLLM_SIDECAR_WORKERS=unix:///run/cy-llm/worker.sock
-EXPOSE 50051 8080 9090
 HEALTHCHECK --interval=10s --timeout=5s --start-period=10s --retries=3 CMD ["cy-llm-sidecar", "--probe", "/readyz"]
 CMD ["cy-llm-sidecar"]
 
@@ -104,9 +104,7 @@ ENV HF_HUB_OFFLINE=1 \
     CYLLM_MODEL=${EMBEDDED_MODEL} \
     CYLLM_CACHE_DIR=/opt/cy-llm/models \
     CYLLM_SOCKET=/run/cy-llm/worker.sock \
-    CYLLM_ADAPTERS__KB_DIR=/var/cache/cy-llm/kb \
-    CYLLM_SIDECAR_WORKERS=unix:///run/cy-llm/worker.sock
-EXPOSE 50051 8080 9090
+    CYLLM_ADAPTERS__KB_DIR=/var/cache/cy-llm/kb
 # Ready: the model is loaded and the worker is making progress (grpc.health.v1 over its socket).
 HEALTHCHECK --interval=10s --timeout=5s --start-period=180s --retries=3 CMD ["cy-llm", "health", "--ready"]
 CMD ["cy-llm", "serve"]
