@@ -87,7 +87,7 @@ async def test_greedy_tokens_match_hf_one_by_one_and_batched(hf_reference, embed
 
 async def test_preemption_recomputes_to_the_same_tokens(hf_reference, embedded_model):
     _, prompts, expected = hf_reference
-    weights_gib = sum(p.numel() * 4 for p in load_model(embedded_model, torch.float32, torch.device("cpu")).parameters()) / (1 << 30)
+    weights_gib = load_model(embedded_model, torch.float32, torch.device("cpu")).weight_bytes() / (1 << 30)
     # Room for about 300 tokens of KV: the 8 sequences need ~730, so some are preempted and recomputed.
     engine = engine_for(embedded_model, **{"resources.memory_limit_gib": str(weights_gib + 0.0135)})
     await engine.load_model()

@@ -126,7 +126,7 @@ class NativeEngine(ThreadedEngine):
                  cuda_graphs=self.graphs.sizes if self.graphs else None)
 
     def _kv_memory(self) -> int:
-        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        weights = self.model.weight_bytes()
         if self.config.resources.memory_limit_gib:
             return int(self.config.resources.memory_limit_gib * GIB) - weights
         if self.device.type == "cuda":
@@ -153,8 +153,7 @@ class NativeEngine(ThreadedEngine):
             return {str(self.device): torch.cuda.memory_allocated(self.device)}
         if self.model is None:
             return {}
-        return {"cpu": sum(p.numel() * p.element_size() for p in self.model.parameters())
-                + self.k_cache.numel() * self.k_cache.element_size() * 2}
+        return {"cpu": self.model.weight_bytes() + self.k_cache.numel() * self.k_cache.element_size() * 2}
 
     def encode(self, request: GenerationRequest) -> list[int]:
         return encode_prompt(self.tokenizer, request)

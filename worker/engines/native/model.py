@@ -157,6 +157,27 @@ class Elementwise:
             setattr(self, function.__name__, torch.compile(function, dynamic=True, fullgraph=True))
 
 
+class PackedLinear(nn.Module):
+    """A linear layer whose weight oneDNN lays out for its CPU kernels once, at load. torch's plain
+    CPU linear repacks the weight on every call of more than one row: at batch 8 that was 60% of a
+    SmolLM2 decode step in fp32, and the packed kernel is also faster in bf16 and at batch 1."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        weight = linear.weight.detach()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 8)  # a batch-size hint; any batch runs
+        self.bias = linear.bias
+        self.weight_bytes = weight.numel() * weight.element_size()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    @staticmethod
+    def supports(dtype: torch.dtype) -> bool:
+        return torch.backends.mkldnn.is_available() and (
+            dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float, ops: Elementwise):
         super().__init__()
@@ -253,6 +274,17 @@ class LlamaModel(nn.Module):
             x = layer(x, cos, sin, batch, k_caches[index], v_caches[index])
         return self.lm_head(self.norm(x[batch.last_token_index])).float()
 
+    def pack_linears(self) -> None:
+        """On CPU: every linear layer (the tied lm_head too, as its own copy) becomes a PackedLinear."""
+        for module in list(self.modules()):
+            for name, child in list(module.named_children()):
+                if type(child) is nn.Linear:
+                    setattr(module, name, PackedLinear(child))
+
+    def weight_bytes(self) -> int:
+        packed = {id(m.packed): m.weight_bytes for m in self.modules() if isinstance(m, PackedLinear)}
+        return sum(p.numel() * p.element_size() for p in self.parameters()) + sum(packed.values())
+
 
 def merge_projections(state: dict[str, torch.Tensor], num_layers: int) -> None:
     """HF keeps q/k/v and gate/up as separate matrices; this model stacks each group into one."""
@@ -287,4 +319,7 @@ def load_model(folder: Path, dtype: torch.dtype, device: torch.device) -> LlamaM
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2).float() / config.head_dim))
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    if device.type == "cpu" and PackedLinear.supports(dtype):
+        model.pack_linears()
+    return model
