@@ -19,7 +19,7 @@ def _config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML file (env CYLLM_CONFIG)")
     parser.add_argument("--socket", help="Unix socket path (env CYLLM_SOCKET)")
     parser.add_argument("--model", help="model folder or embedded model name (env CYLLM_MODEL)")
-    parser.add_argument("--engine", help="engine name: transformers | synthetic (env CYLLM_ENGINE)")
+    parser.add_argument("--engine", help="engine name: native (default) | transformers | vllm | trtllm | synthetic (env CYLLM_ENGINE)")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override any config key, e.g. resources.max_concurrency=4 or engine.args.tokens_per_s=1e5")
 

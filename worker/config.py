@@ -71,8 +71,8 @@ class ServerConfig:
 
 @dataclass
 class EngineConfig:
-    name: str = "transformers"
-    """Engine from the factory: transformers | synthetic."""
+    name: str = "native"
+    """Engine from the factory: native | transformers | vllm | trtllm | synthetic."""
     model: str = EMBEDDED_MODEL
     """A local HF folder, or the name of the embedded model (prepared on first use)."""
     served_name: str = ""
