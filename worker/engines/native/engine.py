@@ -1,8 +1,10 @@
 """native engine: continuous batching over a paged KV cache, on one engine thread.
 
-Each step reads as schedule() -> run() -> postprocess(): running sequences decode one token each,
-waiting ones prefill in chunks under the step's token budget, and when blocks run out the newest
-running sequence is preempted (its blocks freed, its tokens recomputed later).
+Each step reads as schedule() -> forward() -> sample() -> emit(): running sequences decode one token
+each, waiting ones prefill in chunks under the step's token budget, and when blocks run out the newest
+running sequence is preempted (its blocks freed, its tokens recomputed later). On CUDA, where
+forward() only launches the step, a step's tokens become text and messages (emit) while the next step
+runs on the device: the thread's Python work hides behind the GPU's instead of following it.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ log = get_logger(__name__)
 GIB = 1 << 30
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ARGS = {"block_size": 16, "max_num_batched_tokens": 2048, "max_num_seqs": 64, "gpu_memory_utilization": 0.9,
-        "kv_cache_dtype": "auto", "enable_prefix_caching": True, "enforce_eager": False, "cpu_threads": 0}
+        "kv_cache_dtype": "auto", "enable_prefix_caching": True, "enforce_eager": False, "cpu_threads": 0,
+        "overlap_output": "auto"}
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -56,6 +59,9 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     num_cached: int = 0
     blocks: BlockTable = field(default_factory=BlockTable)
+    done: bool = False
+    """Its blocks are given back: finished or aborted. A step launched before that ignores its row."""
+    aborted: bool = False
 
 
 class NativeEngine(ThreadedEngine):
@@ -70,10 +76,14 @@ class NativeEngine(ThreadedEngine):
         self.args = {**ARGS, **config.engine.args}
         if self.args["kv_cache_dtype"] != "auto":
             raise ConfigError("engine.args.kv_cache_dtype", "the native engine keeps the KV cache in the model's dtype")
+        if str(self.args["overlap_output"]).lower() not in ("auto", "true", "false"):
+            raise ConfigError("engine.args.overlap_output", "auto (on for CUDA) | true | false")
         self.model = self.tokenizer = self.device = None
         self.blocks: BlockManager | None = None
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []
+        self._pending: list[tuple[Sequence, int]] = []
+        """(sequence, token) sampled and not yet emitted."""
         self.prefix_queried_tokens = self.prefix_hit_tokens = 0
 
     def _load(self) -> None:
@@ -106,6 +116,8 @@ class NativeEngine(ThreadedEngine):
         shape = (c.num_layers, (num_blocks + 1) * block_size, c.num_kv_heads, c.head_dim)
         self.k_cache, self.v_cache = (zeros(shape, dtype, self.device) for _ in range(2))
         self.graphs = None
+        overlap = str(self.args["overlap_output"]).lower()
+        self.overlap = self.device.type == "cuda" if overlap == "auto" else overlap == "true"
         max_model_len = engine.max_model_len or c.max_position_embeddings
         if self.device.type == "cuda" and not self.args["enforce_eager"]:
             from worker.engines.native.graphs import DecodeGraphs
@@ -171,13 +183,18 @@ class NativeEngine(ThreadedEngine):
     # --- engine thread ---
 
     def _serve(self) -> None:
-        while self._take_inbox(block=not (self._waiting or self._running)):
+        while self._take_inbox(block=not (self._waiting or self._running or self._pending)):
             scheduled = self._schedule()
-            if scheduled:
-                self._postprocess(scheduled, self._forward(scheduled))
+            logits = self._forward(scheduled) if scheduled else None
+            self._emit()  # with overlap: while this step runs on the device
+            self._pending = self._sample(scheduled, logits)
+            if not self.overlap:
+                self._emit()
+        self._emit()
 
     def _open_streams(self) -> list[RequestStream]:
-        return [seq.stream for seq in [*self._waiting, *self._running]]
+        ended = [seq for seq, _ in self._pending if seq.done and not seq.aborted]  # their last token unsent
+        return [seq.stream for seq in [*self._waiting, *self._running, *ended]]
 
     def _on_add(self, seq: Sequence) -> None:
         self._waiting.append(seq)
@@ -185,9 +202,11 @@ class NativeEngine(ThreadedEngine):
     def _on_abort(self, stream: RequestStream) -> None:
         for seq in [s for s in [*self._waiting, *self._running] if s.stream is stream]:
             self._drop(seq)
+            seq.aborted = True
             self._post(seq.stream.put, RequestOutput(finish_reason="aborted"))
 
     def _drop(self, seq: Sequence) -> None:
+        seq.done = True
         self.blocks.release(seq.blocks)
         if seq in self._running:
             self._running.remove(seq)
@@ -266,6 +285,7 @@ class NativeEngine(ThreadedEngine):
                 torch.cuda.empty_cache()
             for seq, _ in scheduled:
                 self._drop(seq)
+                seq.aborted = True
                 self._post(seq.stream.fail, DeviceOutOfMemory("device out of memory on this step"))
             return None
 
@@ -286,30 +306,49 @@ class NativeEngine(ThreadedEngine):
             width = max(width, len(table))
         return self.graphs.run(len(scheduled), width)
 
-    def _postprocess(self, scheduled: list[tuple[Sequence, int]], logits: torch.Tensor | None) -> None:
+    def _sample(self, scheduled: list[tuple[Sequence, int]], logits: torch.Tensor | None) -> list[tuple[Sequence, int]]:
+        """Each sequence whose last known token ran gets its next one: (sequence, token) to emit. A
+        sequence that the token ends (EOS, a stop id, its length) gives its blocks back here, so
+        the next step does not run it; stop strings are found later, in _emit."""
         if logits is None:
-            return
+            return []
         rows, ready = [], []
         for row, (seq, count) in enumerate(scheduled):
+            if seq.done:  # ended by a stop string, or aborted, after this step was launched
+                continue
             seq.num_cached += count
             self.blocks.commit(seq.blocks, seq.tokens, seq.num_cached)
-            if seq.num_cached == len(seq.tokens):  # its last known token ran: it gets a new one
+            if seq.num_cached == len(seq.tokens):
                 rows.append(row)
                 ready.append(seq)
         if not ready:
-            return
+            return []
         if len(rows) < len(scheduled):  # else every row: no index tensor to build and copy over
             logits = logits[rows]
         tokens = sample(logits, [s.request.sampling for s in ready], [s.generator for s in ready],
                         [s.request.prompt_token_ids for s in ready], [s.output_ids for s in ready])
-        outputs = []
         for seq, token in zip(ready, tokens):
             params = seq.request.sampling
             seq.tokens.append(token)
             seq.output_ids.append(token)
-            at_limit = len(seq.output_ids) >= params.max_tokens or len(seq.tokens) >= self.info.max_model_len
-            text, finish = seq.text.add(token, params.stop_token_ids, params.ignore_eos, at_limit)
-            if finish is not None:
+            if self._at_limit(seq) or seq.text.is_stop_token(token, params.stop_token_ids, params.ignore_eos):
+                self._drop(seq)
+        return list(zip(ready, tokens))
+
+    def _at_limit(self, seq: Sequence) -> bool:
+        return len(seq.output_ids) >= seq.request.sampling.max_tokens or len(seq.tokens) >= self.info.max_model_len
+
+    def _emit(self) -> None:
+        """Text and messages of the tokens last sampled."""
+        outputs = []
+        sampled, self._pending = self._pending, []
+        for seq, token in sampled:
+            if seq.aborted:  # its stream already has its last message
+                continue
+            params = seq.request.sampling
+            # Emitted before the sequence samples again, so its state is still that of this token.
+            text, finish = seq.text.add(token, params.stop_token_ids, params.ignore_eos, self._at_limit(seq))
+            if finish is not None and not seq.done:
                 self._drop(seq)
             outputs.append((seq.stream.put, RequestOutput(text=text, token_ids=[token], finish_reason=finish)))
         self._post_all(outputs)
