@@ -218,3 +218,26 @@ def test_triton_decode_matches_the_gather_path(dtype):
     expected = _decode_gather(q, k, v, tables, lens, block_size)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(_decode_triton(q, k, v, tables, lens, block_size), expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton rope-and-store kernel runs on CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_rope_and_store_matches_the_torch_path(dtype):
+    from worker.engines.native.attention import rope_and_store
+    from worker.engines.native.model import rotate
+
+    torch.manual_seed(0)
+    tokens, heads, kv_heads, dim = 5, 9, 3, 64
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, device="cuda", dtype=dtype)  # strided views, as in the model
+    q, k, v = (x.reshape(tokens, -1, dim) for x in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1))
+    angles = torch.randn(tokens, 1, dim // 2, device="cuda").repeat(1, 1, 2)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    slots = torch.tensor([7, 0, 31, 16, 3], device="cuda")
+    k_cache, v_cache = (torch.zeros(32, kv_heads, dim, device="cuda", dtype=dtype) for _ in range(2))
+    got_q, got_k = rope_and_store(q, k, v, cos, sin, k_cache, v_cache, slots, rotate)
+    want_q, want_k = (rotate(x.float(), cos.float(), sin.float()).to(dtype) for x in (q, k))  # one rounding, as the kernel
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got_q, want_q, atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(got_k, want_k, atol=tolerance, rtol=tolerance)
+    for cache, want in ((k_cache, want_k), (v_cache, v)):
+        torch.testing.assert_close(cache, torch.zeros_like(cache).index_copy_(0, slots, want), atol=tolerance, rtol=tolerance)

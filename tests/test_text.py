@@ -1,9 +1,10 @@
 """Sampling and detokenization, the pieces the engines share."""
 
+import pytest
 import torch
 
 from worker.engines.detokenizer import IncrementalDetokenizer, StopStrings
-from worker.engines.sampler import make_generator, sample
+from worker.engines.sampler import argmax, make_generator, sample
 from worker.request import SamplingParams
 
 
@@ -88,3 +89,11 @@ def test_penalties_move_probability_away_from_seen_tokens():
     params = SamplingParams(frequency_penalty=0.05)
     assert sample(logits.clone(), [params], [gen], [[]], [[0]]) == [0]
     assert sample(logits.clone(), [params], [gen], [[]], [[0, 0, 0]]) == [1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the chunked argmax runs on CUDA")
+def test_chunked_argmax_finds_each_rows_first_maximum():
+    logits = torch.randn(3, 128256, device="cuda", dtype=torch.bfloat16)
+    logits[1, 5000] = logits[1, 90000] = 100  # a tie: the first one wins, as torch.argmax
+    logits[2, -1] = 100  # in the last chunk, which padding fills out
+    assert argmax(logits).tolist() == logits.float().argmax(dim=-1).tolist() == [argmax(logits)[0].item(), 5000, 128255]

@@ -46,6 +46,10 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def is_penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or bool(self.presence_penalty) or bool(self.frequency_penalty)
+
     def validate(self) -> None:
         _require(self.max_tokens >= 1, "sampling.max_tokens must be at least 1")
         _require(_finite(self.temperature) and 0.0 <= self.temperature <= MAX_TEMPERATURE,

@@ -39,6 +39,21 @@ def apply_penalties(
     return logits
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Index of each row's first largest value. On CUDA one row is one thread block's reduction, about
+    0.1 ms for a 128k vocabulary on an H100 (7% of a batch-1 decode step): few rows are split in
+    chunks first, each chunk's first maximum taken, then the first chunk holding the row's maximum."""
+    rows, vocab = logits.shape
+    if not logits.is_cuda or rows > 16 or vocab < 16384:
+        return logits.argmax(dim=-1)
+    chunks = 64
+    size = -(-vocab // chunks)
+    padded = torch.nn.functional.pad(logits, (0, chunks * size - vocab), value=float("-inf"))
+    values, within = padded.view(rows, chunks, size).max(dim=-1)
+    chunk = values.argmax(dim=-1, keepdim=True)
+    return (chunk * size + within.gather(1, chunk))[:, 0]
+
+
 def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
@@ -47,8 +62,10 @@ def sample(
     output_ids: list[list[int]],
 ) -> list[int]:
     """Next token per row of logits (B, V)."""
+    if all(p.is_greedy and not p.is_penalized for p in params):
+        return argmax(logits).tolist()  # any dtype: a float copy would change no order
     logits = apply_penalties(logits.float(), params, prompt_ids, output_ids)
-    greedy = logits.argmax(dim=-1)
+    greedy = argmax(logits)
     if all(p.is_greedy for p in params):
         return greedy.tolist()
     device = logits.device

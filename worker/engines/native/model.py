@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.engines.native.attention import decode_attention, prefill_attention
+from worker.engines.native.attention import decode_attention, prefill_attention, rope_and_store
 
 SUPPORTED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
 
@@ -207,12 +207,12 @@ class Attention(nn.Module):
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
-        q = self.ops.rotate(q.reshape(tokens, self.num_heads, self.head_dim), cos, sin)
-        k = self.ops.rotate(k.reshape(tokens, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
         # k_cache, v_cache: (num_blocks * block_size, kv_heads, head_dim), written slot by slot.
-        k_cache.index_copy_(0, batch.slots, k)
-        v_cache.index_copy_(0, batch.slots, v)
+        q, k = rope_and_store(q.reshape(tokens, self.num_heads, self.head_dim),
+                              k.reshape(tokens, self.num_kv_heads, self.head_dim),
+                              v.reshape(tokens, self.num_kv_heads, self.head_dim), cos, sin, k_cache, v_cache,
+                              batch.slots, self.ops.rotate)
+        v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
         if not batch.prefills and not batch.fresh:  # every token a decode: the common step, and the CUDA graph's
             out = decode_attention(q, k_cache, v_cache, batch.decode_tables, batch.decode_lens, batch.block_size)
         else:
@@ -231,9 +231,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
-    def forward(self, x, cos, sin, batch, k_cache, v_cache):
-        x, h = self.post_attention_layernorm.add(x, self.self_attn(self.input_layernorm(x), cos, sin, batch, k_cache, v_cache))
-        return x + self.mlp(h)
+    def forward(self, x, residual, cos, sin, batch, k_cache, v_cache):
+        """(this layer's MLP output, the residual stream before it): the next layer's norm adds them
+        in the same kernel (the first layer's gets residual None)."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            residual, h = self.input_layernorm.add(x, residual)
+        residual, h = self.post_attention_layernorm.add(self.self_attn(h, cos, sin, batch, k_cache, v_cache), residual)
+        return self.mlp(h), residual
 
 
 class MLP(nn.Module):
@@ -263,16 +269,19 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: Batch, k_caches: torch.Tensor, v_caches: torch.Tensor) -> torch.Tensor:
-        """Logits of each sequence's last token: (S, vocab)."""
+        """Logits of each sequence's last token: (S, vocab), in the model's dtype (the sampler upcasts
+        what it must; at batch 256 a float copy here was 4% of a decode step)."""
         if batch.prefills is None:
             batch.prepare()
         x = self.embed_tokens(batch.input_ids)
         freqs = batch.positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(x.dtype)[:, None, :], emb.sin().to(x.dtype)[:, None, :]
+        residual = None
         for index, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, batch, k_caches[index], v_caches[index])
-        return self.lm_head(self.norm(x[batch.last_token_index])).float()
+            x, residual = layer(x, residual, cos, sin, batch, k_caches[index], v_caches[index])
+        last = batch.last_token_index
+        return self.lm_head(self.norm.add(x[last], residual[last])[1])
 
     def pack_linears(self) -> None:
         """On CPU: every linear layer (the tied lm_head too, as its own copy) becomes a PackedLinear."""
