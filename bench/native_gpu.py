@@ -6,6 +6,7 @@ For each model shape (random weights, default RoPE; a word-level tokenizer of th
 2. throughput, bf16, 128 prompt / 256 new tokens at each batch: the native engine (all requests
    submitted at once) and HF `generate` (eager, static batch); time from start to ready;
 3. the HBM roofline at batch 1: weight bytes / measured device copy bandwidth;
+   and the decode-attention kernel alone, contexts split in parts and not, by context length;
 4. prefix sharing (first shape): 64 requests after one 1,024-token system prompt, cache on and off.
 
 Writes bench/results/native_gpu.json and native_gpu.png.
@@ -117,6 +118,46 @@ def hf_generate(model, batch: int, new_tokens: int) -> float:
 def synchronize() -> None:
     if DEVICE == "cuda":
         torch.cuda.synchronize()
+
+
+def decode_attention_split() -> list[dict]:
+    """The paged decode-attention kernel with its contexts split in parts and not, Llama-1B's heads,
+    bf16, microseconds a call (20 calls in a CUDA graph, replayed 10 times)."""
+    from worker.engines.native import attention
+
+    block, kv_heads, heads, dim = 16, 8, 32, 64
+    rows, default = [], attention.MAX_SPLITS
+    try:
+        for context in (256, 1024, 4096, 16384):
+            for batch in (1, 4):
+                blocks = batch * context // block
+                k = torch.randn(blocks * block, kv_heads, dim, device=DEVICE, dtype=torch.bfloat16)
+                v = torch.randn_like(k)
+                tables = torch.arange(blocks, device=DEVICE, dtype=torch.int32).view(batch, -1)
+                lens = torch.full((batch,), context, device=DEVICE, dtype=torch.int32)
+                q = torch.randn(batch, heads, dim, device=DEVICE, dtype=torch.bfloat16)
+                row = {"context": context, "batch": batch}
+                for name, splits in (("unsplit_us", 1), ("split_us", default)):
+                    attention.MAX_SPLITS = splits
+                    for _ in range(3):
+                        attention.decode_attention(q, k, v, tables, lens, block)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        for _ in range(20):
+                            attention.decode_attention(q, k, v, tables, lens, block)
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    for _ in range(10):
+                        graph.replay()
+                    end.record()
+                    synchronize()
+                    row[name] = start.elapsed_time(end) / 200 * 1000
+                rows.append(row)
+                print(f"  decode attention, context {context:5d}, batch {batch}: {row['unsplit_us']:6.1f} us unsplit, "
+                      f"{row['split_us']:6.1f} us split in up to {default} parts", flush=True)
+    finally:
+        attention.MAX_SPLITS = default
+    return rows
 
 
 def copy_bandwidth() -> float:
@@ -266,6 +307,8 @@ async def main() -> int:
               "when": time.strftime("%Y-%m-%d %H:%M"), "prompt_tokens": PROMPT, "new_tokens": NEW}
     result["copy_bandwidth_bytes_per_s"] = copy_bandwidth()
     print(f"copy bandwidth {result['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s", flush=True)
+    if DEVICE == "cuda":
+        result["decode_attention_split"] = decode_attention_split()
     with tempfile.TemporaryDirectory(dir=os.environ.get("CYLLM_BENCH_TMP")) as work:
         if not args.skip_equivalence:
             result["equivalence"] = await equivalence(SHAPES[names[0]], Path(work))

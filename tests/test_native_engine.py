@@ -215,9 +215,11 @@ def test_triton_decode_matches_the_gather_path(dtype):
     tables[4, :] = torch.randperm(blocks, device="cuda")[:10].to(torch.int32)
     tables = torch.cat([tables, torch.randint(0, blocks, (6, 10), device="cuda", dtype=torch.int32)], dim=1)
     q = torch.randn(6, heads, dim, device="cuda", dtype=dtype)
-    expected = _decode_gather(q, k, v, tables, lens, block_size)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(_decode_triton(q, k, v, tables, lens, block_size), expected, atol=tolerance, rtol=tolerance)
+    for copies in (1, 8):  # 6 sequences split their contexts in parts; 48 do not
+        q, tables, lens = (x.repeat(copies, *[1] * (x.dim() - 1)) for x in (q[:6], tables[:6], lens[:6]))
+        expected = _decode_gather(q, k, v, tables, lens, block_size)
+        torch.testing.assert_close(_decode_triton(q, k, v, tables, lens, block_size), expected, atol=tolerance, rtol=tolerance)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton rope-and-store kernel runs on CUDA")
