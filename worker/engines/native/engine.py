@@ -76,7 +76,8 @@ class NativeEngine(ThreadedEngine):
         self.args = {**ARGS, **config.engine.args}
         if self.args["kv_cache_dtype"] != "auto":
             raise ConfigError("engine.args.kv_cache_dtype", "the native engine keeps the KV cache in the model's dtype")
-        if str(self.args["overlap_output"]).lower() not in ("auto", "true", "false"):
+        self._overlap_setting = str(self.args["overlap_output"]).lower()
+        if self._overlap_setting not in ("auto", "true", "false"):
             raise ConfigError("engine.args.overlap_output", "auto (on for CUDA) | true | false")
         self.model = self.tokenizer = self.device = None
         self.blocks: BlockManager | None = None
@@ -117,8 +118,7 @@ class NativeEngine(ThreadedEngine):
         shape = (c.num_layers, (num_blocks + 1) * block_size, c.num_kv_heads, c.head_dim)
         self.k_cache, self.v_cache = (zeros(shape, dtype, self.device) for _ in range(2))
         self.graphs = None
-        overlap = str(self.args["overlap_output"]).lower()
-        self.overlap = self.device.type == "cuda" if overlap == "auto" else overlap == "true"
+        self.overlap = self.device.type == "cuda" if self._overlap_setting == "auto" else self._overlap_setting == "true"
         max_model_len = engine.max_model_len or c.max_position_embeddings
         if self.device.type == "cuda" and not self.args["enforce_eager"]:
             from worker.engines.native.graphs import DecodeGraphs
