@@ -207,16 +207,14 @@ def test_triton_decode_matches_the_gather_path(dtype):
     from worker.engines.native.attention import _decode_gather, _decode_triton
 
     torch.manual_seed(0)
-    block_size, blocks, kv_heads, dim, heads = 16, 64, 3, 64, 9  # SmolLM2's grouping: 3 query heads per KV head
+    block_size, blocks, kv_heads, dim, heads = 16, 128, 3, 64, 9  # SmolLM2's grouping: 3 query heads per KV head
     k = torch.randn(blocks * block_size, kv_heads, dim, device="cuda", dtype=dtype)
     v = torch.randn_like(k)
-    lens = torch.tensor([1, 16, 17, 0, 300, 64], dtype=torch.int32, device="cuda")
-    tables = torch.randperm(blocks, device="cuda")[:6 * 10].reshape(6, 10).to(torch.int32).contiguous()
-    tables[4, :] = torch.randperm(blocks, device="cuda")[:10].to(torch.int32)
-    tables = torch.cat([tables, torch.randint(0, blocks, (6, 10), device="cuda", dtype=torch.int32)], dim=1)
+    lens = torch.tensor([1, 16, 17, 0, 300, 700], dtype=torch.int32, device="cuda")  # 700: long enough to split
+    tables = torch.stack([torch.randperm(blocks, device="cuda")[:48] for _ in range(6)]).to(torch.int32)
     q = torch.randn(6, heads, dim, device="cuda", dtype=dtype)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-    for copies in (1, 8):  # 6 sequences split their contexts in parts; 48 do not
+    for copies in (1, 1, 8):  # 6 sequences split their contexts in parts (twice: the parts' counts reset); 48 do not
         q, tables, lens = (x.repeat(copies, *[1] * (x.dim() - 1)) for x in (q[:6], tables[:6], lens[:6]))
         expected = _decode_gather(q, k, v, tables, lens, block_size)
         torch.testing.assert_close(_decode_triton(q, k, v, tables, lens, block_size), expected, atol=tolerance, rtol=tolerance)
@@ -226,7 +224,7 @@ def test_triton_decode_matches_the_gather_path(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_rope_and_store_matches_the_torch_path(dtype):
     from worker.engines.native.attention import rope_and_store
-    from worker.engines.native.model import rotate
+    from worker.engines.native.elementwise import rotate
 
     torch.manual_seed(0)
     tokens, heads, kv_heads, dim = 5, 9, 3, 64
@@ -243,3 +241,82 @@ def test_triton_rope_and_store_matches_the_torch_path(dtype):
     torch.testing.assert_close(got_k, want_k, atol=tolerance, rtol=tolerance)
     for cache, want in ((k_cache, want_k), (v_cache, v)):
         torch.testing.assert_close(cache, torch.zeros_like(cache).index_copy_(0, slots, want), atol=tolerance, rtol=tolerance)
+
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton norm and SiLU kernels run on CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_norm_and_silu_match_the_torch_path(dtype):
+    from worker.engines.native.elementwise import Elementwise
+
+    torch.manual_seed(0)
+    plain, fused = Elementwise(), Elementwise()
+    fused.use_triton()
+    x, residual = (torch.randn(5, 576, device="cuda", dtype=dtype) for _ in range(2))  # SmolLM2's width: masked lanes
+    weight = torch.rand(576, device="cuda", dtype=dtype) + 0.5
+    gate_up = torch.randn(5, 2 * 1536, device="cuda", dtype=dtype)
+    tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
+    torch.testing.assert_close(fused.rms_norm(x, weight, 1e-5), plain.rms_norm(x, weight, 1e-5), **tolerance)
+    for got, want in zip(fused.add_rms_norm(x, residual, weight, 1e-5), plain.add_rms_norm(x, residual, weight, 1e-5)):
+        torch.testing.assert_close(got, want, **tolerance)
+    torch.testing.assert_close(fused.silu_and_mul(gate_up), plain.silu_and_mul(gate_up), **tolerance)
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    """A random 2-layer Llama saved as an HF folder, with a word-level tokenizer (t0 .. t511)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=64, vocab_size=512, max_position_embeddings=1024,
+                         bos_token_id=0, eos_token_id=1)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(512)}, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=words, eos_token="t1", unk_token="t0").save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="steps are launched ahead on CUDA, through the graphs")
+async def test_steps_launched_ahead_end_each_stream_at_its_token(tiny_llama, monkeypatch):
+    """On CUDA a decode step is launched before the previous one's tokens reach the host. An end
+    found a step late (length, stop id, abort) must still end the stream at the right token, and
+    every block must come back."""
+    launched = []
+    launch_ahead = NativeEngine._launch_ahead
+    monkeypatch.setattr(NativeEngine, "_launch_ahead", lambda self, step: launched.append(launch_ahead(self, step)) or launched[-1])
+    config = load_config(None, {"HOME": "/tmp"}, {"engine.name": "native", "engine.model": str(tiny_llama),
+                                                  "engine.dtype": "float32", "engine.device": "cuda"})
+    engine = NativeEngine(config)
+    await engine.load_model()
+    prompt = list(range(2, 42))
+
+    async def run(index: int, **sampling) -> list[int]:
+        request = GenerationRequest(request_id=f"r{index}-{len(launched)}", prompt_token_ids=prompt[index:],
+                                    sampling=SamplingParams(ignore_eos=True, **sampling))
+        return [t async for out in engine.stream_predict(request) for t in out.token_ids]
+
+    try:
+        alone = await run(0, max_tokens=40)
+        assert len(alone) == 40 and sum(step is not None for step in launched) > 30
+        stop = alone[9]
+        assert await run(0, max_tokens=40, stop_token_ids=[stop]) == alone[:alone.index(stop) + 1]
+        outputs = await asyncio.gather(*(run(i, max_tokens=n) for i, n in enumerate((1, 2, 17, 33))))
+        assert [len(tokens) for tokens in outputs] == [1, 2, 17, 33]
+        stream = engine.stream_predict(GenerationRequest(request_id="gone", prompt_token_ids=prompt,
+                                                         sampling=SamplingParams(max_tokens=500, ignore_eos=True)))
+        received = 0
+        async for out in stream:
+            received += len(out.token_ids)
+            if received == 5:
+                engine.abort(stream)
+        assert 5 <= received < 500
+        for _ in range(100):
+            if engine.num_unfinished() == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert engine.num_unfinished() == 0 and engine.blocks.num_free == engine.blocks.num_blocks
+    finally:
+        await engine.unload_model()

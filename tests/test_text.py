@@ -49,10 +49,10 @@ def test_greedy_and_top_k_one_agree():
     greedy = [SamplingParams()] * 3
     gens = [make_generator(p, torch.device("cpu")) for p in greedy]
     expected = logits.argmax(-1).tolist()
-    assert sample(logits.clone(), greedy, gens, [[]] * 3, [[]] * 3) == expected
+    assert sample(logits.clone(), greedy, gens, [[]] * 3, [[]] * 3).tolist() == expected
     top1 = [SamplingParams(temperature=1.0, top_k=1, seed=i) for i in range(3)]
     gens = [make_generator(p, torch.device("cpu")) for p in top1]
-    assert sample(logits.clone(), top1, gens, [[]] * 3, [[]] * 3) == expected
+    assert sample(logits.clone(), top1, gens, [[]] * 3, [[]] * 3).tolist() == expected
 
 
 def test_same_seed_same_tokens_whatever_else_is_in_the_batch():
@@ -65,7 +65,7 @@ def test_same_seed_same_tokens_whatever_else_is_in_the_batch():
         out = []
         for _ in range(20):
             batch = logits.repeat(len(rows), 1)
-            out.append(sample(batch, rows, gens, [[]] * len(rows), [[]] * len(rows))[0])
+            out.append(sample(batch, rows, gens, [[]] * len(rows), [[]] * len(rows))[0].item())
         return out
 
     assert draw(0) == draw(3)
@@ -76,19 +76,19 @@ def test_top_p_and_min_p_keep_only_the_head():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     for params in (SamplingParams(temperature=1.0, top_p=0.5, seed=1), SamplingParams(temperature=1.0, min_p=0.7, seed=1)):
         gen = make_generator(params, torch.device("cpu"))
-        assert {sample(logits.clone(), [params], [gen], [[]], [[]])[0] for _ in range(50)} == {0}
+        assert {sample(logits.clone(), [params], [gen], [[]], [[]]).item() for _ in range(50)} == {0}
 
 
 def test_penalties_move_probability_away_from_seen_tokens():
     logits = torch.tensor([[2.0, 1.9, 0.0]])
     params = SamplingParams(repetition_penalty=2.0)
     gen = make_generator(params, torch.device("cpu"))
-    assert sample(logits.clone(), [params], [gen], [[0]], [[]]) == [1]
+    assert sample(logits.clone(), [params], [gen], [[0]], [[]]).tolist() == [1]
     params = SamplingParams(presence_penalty=0.5)
-    assert sample(logits.clone(), [params], [gen], [[]], [[0]]) == [1]
+    assert sample(logits.clone(), [params], [gen], [[]], [[0]]).tolist() == [1]
     params = SamplingParams(frequency_penalty=0.05)
-    assert sample(logits.clone(), [params], [gen], [[]], [[0]]) == [0]
-    assert sample(logits.clone(), [params], [gen], [[]], [[0, 0, 0]]) == [1]
+    assert sample(logits.clone(), [params], [gen], [[]], [[0]]).tolist() == [0]
+    assert sample(logits.clone(), [params], [gen], [[]], [[0, 0, 0]]).tolist() == [1]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the chunked argmax runs on CUDA")

@@ -60,14 +60,15 @@ def sample(
     generators: list[torch.Generator],
     prompt_ids: list[list[int]],
     output_ids: list[list[int]],
-) -> list[int]:
-    """Next token per row of logits (B, V)."""
+) -> torch.Tensor:
+    """Next token per row of logits (B, V): a (B,) int64 tensor on the logits' device. Nothing here
+    waits for the device, so a caller may queue more work before it reads the tokens."""
     if all(p.is_greedy and not p.is_penalized for p in params):
-        return argmax(logits).tolist()  # any dtype: a float copy would change no order
+        return argmax(logits)  # any dtype: a float copy would change no order
     logits = apply_penalties(logits.float(), params, prompt_ids, output_ids)
     greedy = argmax(logits)
     if all(p.is_greedy for p in params):
-        return greedy.tolist()
+        return greedy
     device = logits.device
     temperature = torch.tensor([p.temperature or 1.0 for p in params], device=device)
     probs = torch.softmax(logits / temperature[:, None], dim=-1)  # (B, V)
@@ -87,9 +88,9 @@ def sample(
     tokens = []
     for row, p in enumerate(params):
         if p.is_greedy:
-            tokens.append(int(greedy[row]))
+            tokens.append(greedy[row])
             continue
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, using this row's generator only.
         noise = torch.empty_like(sorted_probs[row]).exponential_(generator=generators[row])
-        tokens.append(int(order[row, (sorted_probs[row] / noise).argmax()]))
-    return tokens
+        tokens.append(order[row, (sorted_probs[row] / noise).argmax()])
+    return torch.stack(tokens)

@@ -162,7 +162,7 @@ class TransformersEngine(ThreadedEngine):
                 out = self.model(input_ids=input_ids, past_key_values=seq.cache, use_cache=True)
                 seq.cache = out.past_key_values
                 token = sample(out.logits[:, -1, :], [params], [seq.generator],
-                               [seq.request.prompt_token_ids], [seq.output_ids])[0]
+                               [seq.request.prompt_token_ids], [seq.output_ids]).item()
         except torch.OutOfMemoryError:
             seq.cache = None
             if self.device.type == "cuda":

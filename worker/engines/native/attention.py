@@ -7,7 +7,7 @@ Caches are (slots, kv_heads, head_dim) per layer, slot = block * block_size + of
 - `decode_attention`: one new token per sequence, every sequence at once; on CUDA a Triton kernel
   that walks the block table (one program per sequence and KV head, all the query heads of that KV
   head together, online softmax; at small batches one per part of each context, the parts combined
-  by a second kernel), which also runs inside a CUDA graph; elsewhere a batched gather of blocks.
+  by the last part to finish), which also runs inside a CUDA graph; elsewhere a batched gather of blocks.
   A step that mixes both runs each on its own rows.
 """
 
@@ -24,6 +24,9 @@ except ImportError:  # CPU installs have no Triton; the torch paths below serve 
 
 MAX_SPLITS = 8
 """Parts a context may be split in for the decode kernel at small batches."""
+WHOLE_TILES = 6
+"""Contexts of at most this many 64-token tiles are never split (on an H100 one program walked 4
+tiles in 6.2 us, and the parts of a split plus their combine took 9)."""
 
 
 def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -98,6 +101,19 @@ def _decode_gather(q, k_cache, v_cache, tables, lens, block_size):
     return torch.where(lens[:, None, None] > 0, out, 0)
 
 
+_ARRIVALS: dict[torch.device, torch.Tensor] = {}
+
+
+def _arrivals(device: torch.device) -> torch.Tensor:
+    """Per (sequence, KV head) of a split decode, how many parts have finished; the last part
+    combines them and sets it back to 0. Kept for the process, so the CUDA graphs that read it
+    outlive no buffer of theirs; made by the eager warm-up run before any capture. Splits happen
+    only while batch * kv_heads < 128."""
+    if device not in _ARRIVALS:
+        _ARRIVALS[device] = torch.zeros(128, dtype=torch.int32, device=device)
+    return _ARRIVALS[device]
+
+
 def _decode_triton(q, k_cache, v_cache, tables, lens, block_size):
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
@@ -113,13 +129,11 @@ def _decode_triton(q, k_cache, v_cache, tables, lens, block_size):
     partial = [torch.empty(batch, kv_heads, splits, group_pad, *extra, device=q.device, dtype=torch.float32)
                for extra in ((), (), (dim,))] if splits > 1 else [out] * 3
     _decode_kernel[(batch, kv_heads, splits)](
-        q, k_cache, v_cache, out, tables, lens, dim ** -0.5, *partial,
+        q, k_cache, v_cache, out, tables, lens, dim ** -0.5, *partial, _arrivals(q.device) if splits > 1 else lens,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), tables.stride(0),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=dim, BLOCK=block_size,
-        TILE=block_size * tile_blocks, IEEE=q.dtype == torch.float32, SPLITS=splits, num_warps=4)
-    if splits > 1:
-        _combine_kernel[(batch, kv_heads)](*partial, out, q.stride(0), q.stride(1), GROUP=group, GROUP_PAD=group_pad,
-                                           HEAD_DIM=dim, SPLITS=splits, num_warps=8)
+        TILE=block_size * tile_blocks, IEEE=q.dtype == torch.float32, SPLITS=splits, WHOLE_TILES=WHOLE_TILES,
+        num_warps=4)
     return out
 
 
@@ -166,19 +180,25 @@ if triton is not None:
 
     @triton.jit
     def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, scale, max_ptr, total_ptr, acc_ptr,
-                       stride_qt, stride_qh, stride_ks, stride_kh, stride_table,
+                       arrivals_ptr, stride_qt, stride_qh, stride_ks, stride_kh, stride_table,
                        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                       BLOCK: tl.constexpr, TILE: tl.constexpr, IEEE: tl.constexpr, SPLITS: tl.constexpr):
+                       BLOCK: tl.constexpr, TILE: tl.constexpr, IEEE: tl.constexpr, SPLITS: tl.constexpr,
+                       WHOLE_TILES: tl.constexpr):
         """One (sequence, KV head, part of the context). With SPLITS > 1 it writes the part's
-        running max, sum and unnormalized output, shapes (B, kv_heads, SPLITS, GROUP_PAD[, D])."""
+        running max, sum and unnormalized output, shapes (B, kv_heads, SPLITS, GROUP_PAD[, D]),
+        and the last part to finish combines them: in one kernel, a context too short to split
+        costs no second launch."""
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
         length = tl.load(lens_ptr + seq)
         num_tiles = tl.cdiv(length, TILE)
+        # A short context is not worth splitting (the parts' combine costs what ~5 tiles do): part 0
+        # takes it whole and the others have nothing to do.
+        whole = num_tiles <= WHOLE_TILES
         per_split = tl.cdiv(num_tiles, SPLITS)
-        first_tile = split * per_split
-        last_tile = tl.minimum(first_tile + per_split, num_tiles)
+        first_tile = tl.where(whole, 0, split * per_split)
+        last_tile = tl.where(whole, tl.where(split == 0, num_tiles, 0), tl.minimum(first_tile + per_split, num_tiles))
         g = tl.arange(0, GROUP_PAD)
         d = tl.arange(0, HEAD_DIM)
         t = tl.arange(0, TILE)
@@ -209,31 +229,38 @@ if triton is not None:
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m = m_new
-        if SPLITS == 1:
-            result = acc / tl.where(total > 0, total, 1.0)[:, None]
-            tl.store(out_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                     result.to(out_ptr.dtype.element_ty), mask=(g < GROUP)[:, None])
+        if SPLITS == 1 or whole:
+            if split == 0:
+                result = acc / tl.where(total > 0, total, 1.0)[:, None]
+                tl.store(out_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                         result.to(out_ptr.dtype.element_ty), mask=(g < GROUP)[:, None])
         else:
             part = ((seq * tl.num_programs(1) + kv_head) * SPLITS + split) * GROUP_PAD
             tl.store(max_ptr + part + g, m)
             tl.store(total_ptr + part + g, total)
             tl.store(acc_ptr + (part + g[:, None]) * HEAD_DIM + d[None, :], acc)
+            arrival = arrivals_ptr + seq * tl.num_programs(1) + kv_head
+            tl.debug_barrier()  # every thread's stores before the release of the arrival
+            if tl.atomic_add(arrival, 1, sem="acq_rel") == SPLITS - 1:  # the others' stores are visible now
+                tl.debug_barrier()
+                _combine(max_ptr, total_ptr, acc_ptr, out_ptr, seq, kv_head, tl.num_programs(1), stride_qt, stride_qh,
+                         GROUP, GROUP_PAD, HEAD_DIM, SPLITS)
+                tl.atomic_xchg(arrival, 0)
 
     @triton.jit
-    def _combine_kernel(max_ptr, total_ptr, acc_ptr, out_ptr, stride_qt, stride_qh, GROUP: tl.constexpr,
-                        GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr):
+    def _combine(max_ptr, total_ptr, acc_ptr, out_ptr, seq, kv_head, kv_heads, stride_qt, stride_qh,
+                 GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr):
         """The parts of one (sequence, KV head) rescaled to their common max and summed, all parts
-        loaded at once."""
-        seq = tl.program_id(0)
-        kv_head = tl.program_id(1)
+        loaded at once, past L1 (other SMs wrote them)."""
         g = tl.arange(0, GROUP_PAD)
         d = tl.arange(0, HEAD_DIM)
-        parts = ((seq * tl.num_programs(1) + kv_head) * SPLITS + tl.arange(0, SPLITS))[:, None] * GROUP_PAD + g[None, :]
-        m = tl.load(max_ptr + parts)  # (SPLITS, GROUP_PAD)
+        parts = ((seq * kv_heads + kv_head) * SPLITS + tl.arange(0, SPLITS))[:, None] * GROUP_PAD + g[None, :]
+        m = tl.load(max_ptr + parts, cache_modifier=".cg")  # (SPLITS, GROUP_PAD)
         m_all = tl.max(m, 0)
         weight = tl.where(m > float("-inf"), tl.exp(m - m_all[None, :]), 0.0)  # an empty part has max -inf
-        total = tl.sum(tl.load(total_ptr + parts) * weight, 0)
-        acc = tl.sum(tl.load(acc_ptr + parts[:, :, None] * HEAD_DIM + d[None, None, :]) * weight[:, :, None], 0)
+        total = tl.sum(tl.load(total_ptr + parts, cache_modifier=".cg") * weight, 0)
+        acc = tl.sum(tl.load(acc_ptr + parts[:, :, None] * HEAD_DIM + d[None, None, :], cache_modifier=".cg")
+                     * weight[:, :, None], 0)
         result = acc / tl.where(total > 0, total, 1.0)[:, None]
         heads = kv_head * GROUP + g
         tl.store(out_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :],

@@ -1,10 +1,12 @@
 """native engine: continuous batching over a paged KV cache, on one engine thread.
 
-Each step reads as schedule() -> forward() -> sample() -> emit(): running sequences decode one token
+Each step reads as schedule() -> launch() -> read() -> emit(): running sequences decode one token
 each, waiting ones prefill in chunks under the step's token budget, and when blocks run out the newest
-running sequence is preempted (its blocks freed, its tokens recomputed later). On CUDA, where
-forward() only launches the step, a step's tokens become text and messages (emit) while the next step
-runs on the device: the thread's Python work hides behind the GPU's instead of following it.
+running sequence is preempted (its blocks freed, its tokens recomputed later). launch() queues the
+forward pass and the sampling on the device; read() waits for the tokens. On CUDA the thread keeps the
+device busy while it works: a step's tokens become text and messages (emit) while the next step runs,
+and a decode step whose successor is known before its tokens are (the same sequences, nothing
+waiting, no penalties) has that successor launched first, fed with its tokens on the device.
 """
 
 from __future__ import annotations
@@ -62,6 +64,19 @@ class Sequence:
     done: bool = False
     """Its blocks are given back: finished or aborted. A step launched before that ignores its row."""
     aborted: bool = False
+
+
+@dataclass(eq=False)
+class Step:
+    """A launched step: (sequence, tokens it computes) rows, and the tokens sampled for the rows
+    that end their sequence's known tokens (`ready`, in order), on the device and being copied to
+    the host."""
+
+    scheduled: list[tuple[Sequence, int]]
+    ready: list[Sequence] = field(default_factory=list)
+    tokens: torch.Tensor | None = None
+    host_tokens: torch.Tensor | None = None
+    copied: torch.cuda.Event | None = None
 
 
 class NativeEngine(ThreadedEngine):
@@ -123,8 +138,6 @@ class NativeEngine(ThreadedEngine):
         if self.device.type == "cuda" and not self.args["enforce_eager"]:
             from worker.engines.native.graphs import DecodeGraphs
 
-            self.model.ops.compile()  # compiled on first use: in the graphs' warm-up runs below
-
             self.graphs = DecodeGraphs(self.model, self.k_cache, self.v_cache, int(self.args["max_num_seqs"]),
                                        -(-max_model_len // block_size), block_size, num_blocks * block_size)
         self.eos_ids = frozenset(c.eos_token_ids) | ({self.tokenizer.eos_token_id} - {None})
@@ -184,11 +197,14 @@ class NativeEngine(ThreadedEngine):
     # --- engine thread ---
 
     def _serve(self) -> None:
-        while self._take_inbox(block=not (self._waiting or self._running or self._pending)):
-            scheduled = self._schedule()
-            logits = self._forward(scheduled) if scheduled else None
-            self._emit()  # with overlap: while this step runs on the device
-            self._pending = self._sample(scheduled, logits)
+        step: Step | None = None  # launched, its tokens not read yet
+        while self._take_inbox(block=step is None and not (self._waiting or self._running or self._pending)):
+            if step is None:
+                step = self._launch(self._schedule())
+            ahead = self._launch_ahead(step) if self.overlap else None
+            self._emit()  # with overlap: while the step runs on the device
+            self._pending = self._read(step)
+            step = ahead
             if not self.overlap:
                 self._emit()
         self._emit()
@@ -290,51 +306,95 @@ class NativeEngine(ThreadedEngine):
                 self._post(seq.stream.fail, DeviceOutOfMemory("device out of memory on this step"))
             return None
 
-    def _decode_in_graph(self, scheduled: list[tuple[Sequence, int]]) -> torch.Tensor:
+    def _decode_in_graph(self, scheduled: list[tuple[Sequence, int]], after: Step | None = None) -> torch.Tensor:
         """One token per sequence, through the captured graphs: the inputs go straight into the
-        graphs' pinned host buffers (at batch 256 this loop is about a third of the engine thread's step)."""
+        graphs' pinned host buffers (at batch 256 this loop is about a third of the engine thread's
+        step). After `after`, each sequence's input is its token pending there, taken on the device."""
         block_size = self.blocks.block_size
         (ids, positions, slots, lens), tables = self.graphs.host_inputs()
         width = 0
         for row, (seq, _) in enumerate(scheduled):
-            position = seq.num_cached
+            position = len(seq.tokens) if after else seq.num_cached
             table = seq.blocks.blocks
-            ids[row] = seq.tokens[position]
+            if not after:
+                ids[row] = seq.tokens[position]
             positions[row] = position
             slots[row] = table[position // block_size] * block_size + position % block_size
             lens[row] = position + 1
             tables[row, :len(table)] = table
             width = max(width, len(table))
-        return self.graphs.run(len(scheduled), width)
+        return self.graphs.run(len(scheduled), width, after.tokens if after else None)
 
-    def _sample(self, scheduled: list[tuple[Sequence, int]], logits: torch.Tensor | None) -> list[tuple[Sequence, int]]:
-        """Each sequence whose last known token ran gets its next one: (sequence, token) to emit. A
-        sequence that the token ends (EOS, a stop id, its length) gives its blocks back here, so
-        the next step does not run it; stop strings are found later, in _emit."""
-        if logits is None:
-            return []
-        rows, ready = [], []
-        for row, (seq, count) in enumerate(scheduled):
-            if seq.done:  # ended by a stop string, or aborted, after this step was launched
-                continue
-            seq.num_cached += count
-            self.blocks.commit(seq.blocks, seq.tokens, seq.num_cached)
-            if seq.num_cached == len(seq.tokens):
-                rows.append(row)
-                ready.append(seq)
-        if not ready:
-            return []
+    def _launch(self, scheduled: list[tuple[Sequence, int]], after: Step | None = None) -> Step:
+        """Queues the step and its sampling; nothing here waits for the device. `after`: the step
+        still running whose sampled tokens are this decode step's inputs (see _launch_ahead)."""
+        if not scheduled:
+            return Step([])
+        logits = self._decode_in_graph(scheduled, after) if after else self._forward(scheduled)
+        if logits is None:  # out of memory; the step's sequences have failed
+            return Step([])
+        # Rows that end their sequence's known tokens get a next one (a chunk mid-prompt does not).
+        rows = [row for row, (seq, count) in enumerate(scheduled) if after or seq.num_cached + count == len(seq.tokens)]
+        if not rows:
+            return Step(scheduled)
         if len(rows) < len(scheduled):  # else every row: no index tensor to build and copy over
             logits = logits[rows]
+        ready = [scheduled[row][0] for row in rows]
         tokens = sample(logits, [s.request.sampling for s in ready], [s.generator for s in ready],
                         [s.request.prompt_token_ids for s in ready], [s.output_ids for s in ready])
-        for seq, token in zip(ready, tokens):
+        if not tokens.is_cuda:
+            return Step(scheduled, ready, tokens, tokens)
+        copied = torch.cuda.Event()
+        host_tokens = tokens.to("cpu", non_blocking=True)
+        copied.record()
+        return Step(scheduled, ready, tokens, host_tokens, copied)
+
+    def _launch_ahead(self, step: Step) -> Step | None:
+        """The decode step after `step`, launched before `step`'s tokens reach the host: they go
+        from the sampler into the graph's inputs on the device, so the device does not wait while
+        this thread reads them and schedules. Only where that step is already known: every row of
+        `step` samples and none can end by its length, nothing waits to join, no penalties (they
+        need the tokens on the host) and the blocks are free. Rows of sequences that the pending
+        tokens end (EOS, a stop) are computed and dropped; their slot writes land in blocks that
+        stream order keeps from anyone else until this step is done."""
+        seqs = step.ready
+        if (self.graphs is None or not seqs or len(seqs) != len(step.scheduled) or len(seqs) > self.graphs.max_batch
+                or self._waiting or any(seq.done or seq.request.sampling.is_penalized
+                                        or len(seq.output_ids) + 1 >= seq.request.sampling.max_tokens
+                                        or len(seq.tokens) + 1 >= self.info.max_model_len for seq in seqs)):
+            return None
+        # The cache must hold each sequence's known tokens and the pending one.
+        needed = sum(self.blocks.blocks_for(len(seq.tokens) + 1) - len(seq.blocks) for seq in seqs)
+        if needed > self.blocks.num_free:
+            return None
+        for seq in seqs:
+            self.blocks.grow(seq.blocks, len(seq.tokens) + 1)
+        return self._launch([(seq, 1) for seq in seqs], after=step)
+
+    def _read(self, step: Step) -> list[tuple[Sequence, int]]:
+        """The step's outcome on the host: each row's tokens counted in the cache, the sampled
+        tokens appended, (sequence, token) to emit. A sequence that its token ends (EOS, a stop id,
+        its length) gives its blocks back here, so the next step does not run it; stop strings are
+        found later, in _emit."""
+        for seq, count in step.scheduled:
+            if not seq.done:  # else ended by a stop string, or aborted, after this step was launched
+                seq.num_cached += count
+                self.blocks.commit(seq.blocks, seq.tokens, seq.num_cached)
+        if not step.ready:
+            return []
+        if step.copied is not None:
+            step.copied.synchronize()  # the step's tokens, not the step launched after it
+        sampled = []
+        for seq, token in zip(step.ready, step.host_tokens.tolist()):
+            if seq.done:
+                continue
             params = seq.request.sampling
             seq.tokens.append(token)
             seq.output_ids.append(token)
+            sampled.append((seq, token))
             if self._at_limit(seq) or seq.text.is_stop_token(token, params.stop_token_ids, params.ignore_eos):
                 self._drop(seq)
-        return list(zip(ready, tokens))
+        return sampled
 
     def _at_limit(self, seq: Sequence) -> bool:
         return len(seq.output_ids) >= seq.request.sampling.max_tokens or len(seq.tokens) >= self.info.max_model_len

@@ -68,9 +68,10 @@ class DecodeGraphs:
         self.copied.synchronize()
         return self.host_packed.numpy(), self.host_tables.numpy()
 
-    def run(self, n: int, width: int) -> torch.Tensor:
+    def run(self, n: int, width: int, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (n, vocab) of the n one-token decodes in rows [0, n) of the host inputs, whose block
-        tables are at most `width` long; valid until the next run."""
+        tables are at most `width` long; valid until the next run. `input_ids` (n,) on the device
+        replace the host inputs' token ids."""
         size = next(s for s in self.sizes if s >= n)
         packed = self.host_packed.numpy()
         packed[:, n:size] = 0  # padding rows: length 0, their K/V written to the scratch slot
@@ -78,5 +79,7 @@ class DecodeGraphs:
         self.packed[:, :size].copy_(self.host_packed[:, :size], non_blocking=True)
         self.tables[:n, :width].copy_(self.host_tables[:n, :width], non_blocking=True)
         self.copied.record()
+        if input_ids is not None:
+            self.input_ids[:n].copy_(input_ids)
         self.graphs[size].replay()
         return self.logits[size][:n]

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from worker.engines.native.attention import decode_attention, prefill_attention, rope_and_store
+from worker.engines.native.elementwise import Elementwise
 
 SUPPORTED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
 
@@ -113,48 +113,6 @@ class Batch:
                 rows = torch.tensor(self.query_lens, device=device).cumsum(0) - 1
                 self.decode_index = rows[torch.tensor(decodes, device=device)]
         return self
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
-
-
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + residual, its norm): the residual stream and the next sublayer's input."""
-    x = x + residual
-    return x, rms_norm(x, weight, eps)
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding, HF's rotate_half layout. x (T, H, D); cos, sin (T, 1, D)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-class Elementwise:
-    """The small element-wise steps every layer runs. Eager, these are a dozen tiny kernels a
-    layer, which at small batches cost more than the layer's GEMMs; on CUDA `compile()` fuses each
-    function into one kernel (torch.compile, dynamic in the token dimension)."""
-
-    FUNCTIONS = (rms_norm, add_rms_norm, rotate, silu_and_mul)
-
-    def __init__(self):
-        for function in self.FUNCTIONS:
-            setattr(self, function.__name__, function)
-
-    def compile(self) -> None:
-        for function in self.FUNCTIONS:
-            setattr(self, function.__name__, torch.compile(function, dynamic=True, fullgraph=True))
 
 
 class PackedLinear(nn.Module):
@@ -280,8 +238,9 @@ class LlamaModel(nn.Module):
         residual = None
         for index, layer in enumerate(self.layers):
             x, residual = layer(x, residual, cos, sin, batch, k_caches[index], v_caches[index])
-        last = batch.last_token_index
-        return self.lm_head(self.norm.add(x[last], residual[last])[1])
+        if batch.prefills or batch.fresh:  # else every token is a decode, its sequence's last
+            x, residual = x[batch.last_token_index], residual[batch.last_token_index]
+        return self.lm_head(self.norm.add(x, residual)[1])
 
     def pack_linears(self) -> None:
         """On CPU: every linear layer (the tied lm_head too, as its own copy) becomes a PackedLinear."""
@@ -329,6 +288,8 @@ def load_model(folder: Path, dtype: torch.dtype, device: torch.device) -> LlamaM
         model.lm_head.weight = model.embed_tokens.weight
     model.inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2).float() / config.head_dim))
     model = model.to(device).eval()
+    if device.type == "cuda":
+        model.ops.use_triton()
     if device.type == "cpu" and PackedLinear.supports(dtype):
         model.pack_linears()
     return model
