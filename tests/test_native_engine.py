@@ -261,6 +261,20 @@ def test_triton_norm_and_silu_match_the_torch_path(dtype):
         torch.testing.assert_close(got, want, **tolerance)
     torch.testing.assert_close(fused.silu_and_mul(gate_up), plain.silu_and_mul(gate_up), **tolerance)
 
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton matrix-vector kernel runs on CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_row_linear_matches_torch(dtype):
+    from worker.engines.native.gemv import RowLinear
+
+    torch.manual_seed(0)
+    for n, k, bias in ((3072, 2048, False), (1001, 576, True), (4, 8192, False)):  # even and uneven tiles, a bias
+        linear = torch.nn.Linear(k, n, bias=bias, device="cuda", dtype=dtype)
+        x = torch.randn(1, k, device="cuda", dtype=dtype)
+        tolerance = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+        torch.testing.assert_close(RowLinear(linear)(x), linear(x), **tolerance)
+        assert RowLinear(linear)(x.repeat(3, 1)).shape == (3, n)  # more rows: torch's linear
+
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
     """A random 2-layer Llama saved as an HF folder, with a word-level tokenizer (t0 .. t511)."""

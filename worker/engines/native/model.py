@@ -16,6 +16,7 @@ from torch import nn
 
 from worker.engines.native.attention import decode_attention, prefill_attention, rope_and_store
 from worker.engines.native.elementwise import Elementwise
+from worker.engines.native.gemv import RowLinear, triton
 
 SUPPORTED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
 
@@ -242,12 +243,13 @@ class LlamaModel(nn.Module):
             x, residual = x[batch.last_token_index], residual[batch.last_token_index]
         return self.lm_head(self.norm.add(x, residual)[1])
 
-    def pack_linears(self) -> None:
-        """On CPU: every linear layer (the tied lm_head too, as its own copy) becomes a PackedLinear."""
+    def wrap_linears(self, wrapper: type[nn.Module]) -> None:
+        """Every linear layer (the tied lm_head too) replaced by wrapper(layer): a PackedLinear on
+        CPU (the lm_head as its own copy), a RowLinear on CUDA."""
         for module in list(self.modules()):
             for name, child in list(module.named_children()):
                 if type(child) is nn.Linear:
-                    setattr(module, name, PackedLinear(child))
+                    setattr(module, name, wrapper(child))
 
     def weight_bytes(self) -> int:
         packed = {id(m.packed): m.weight_bytes for m in self.modules() if isinstance(m, PackedLinear)}
@@ -288,8 +290,9 @@ def load_model(folder: Path, dtype: torch.dtype, device: torch.device) -> LlamaM
         model.lm_head.weight = model.embed_tokens.weight
     model.inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2).float() / config.head_dim))
     model = model.to(device).eval()
-    if device.type == "cuda":
+    if device.type == "cuda" and triton is not None:
         model.ops.use_triton()
+        model.wrap_linears(RowLinear)
     if device.type == "cpu" and PackedLinear.supports(dtype):
-        model.pack_linears()
+        model.wrap_linears(PackedLinear)
     return model
