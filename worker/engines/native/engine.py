@@ -358,16 +358,23 @@ class NativeEngine(ThreadedEngine):
         tokens end (EOS, a stop) are computed and dropped; their slot writes land in blocks that
         stream order keeps from anyone else until this step is done."""
         seqs = step.ready
-        if (self.graphs is None or not seqs or len(seqs) != len(step.scheduled) or len(seqs) > self.graphs.max_batch
-                or self._waiting or any(seq.done or seq.request.sampling.is_penalized
-                                        or len(seq.output_ids) + 1 >= seq.request.sampling.max_tokens
-                                        or len(seq.tokens) + 1 >= self.info.max_model_len for seq in seqs)):
+        if (self.graphs is None or self._waiting or not seqs or len(seqs) != len(step.scheduled)
+                or len(seqs) > self.graphs.max_batch):
             return None
-        # The cache must hold each sequence's known tokens and the pending one.
-        needed = sum(self.blocks.blocks_for(len(seq.tokens) + 1) - len(seq.blocks) for seq in seqs)
-        if needed > self.blocks.num_free:
-            return None
+        # One pass (at batch 256 this thread is the bottleneck): the cache must hold each sequence's
+        # known tokens and the pending one.
+        last_position, block_size = self.info.max_model_len - 1, self.blocks.block_size
+        growing = []
         for seq in seqs:
+            params, known = seq.request.sampling, len(seq.tokens)
+            if (seq.done or params.is_penalized or len(seq.output_ids) + 1 >= params.max_tokens
+                    or known >= last_position):
+                return None
+            if known >= len(seq.blocks) * block_size:
+                growing.append(seq)
+        if len(growing) > self.blocks.num_free:
+            return None
+        for seq in growing:
             self.blocks.grow(seq.blocks, len(seq.tokens) + 1)
         return self._launch([(seq, 1) for seq in seqs], after=step)
 
