@@ -10,6 +10,7 @@ Writes bench/results/sidecar.json and sidecar.png. Needs `cargo build --release`
 
     python bench/sidecar.py                  # everything
     python bench/sidecar.py --per-message    # only the per-message figure, printed
+    python bench/sidecar.py --runs 48        # more stream pairs: a tighter per-message estimate
 """
 
 from __future__ import annotations
@@ -212,9 +213,15 @@ def plot(result: dict, path: Path) -> None:
 
 
 def main() -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--per-message", action="store_true", help="only the per-message figure, printed")
+    parser.add_argument("--runs", type=int, default=16, help="pairs of lockstep streams for the per-message figure")
+    options = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if sys.argv[1:] == ["--per-message"]:
-        print(json.dumps({k: v for k, v in per_message(runs=16).items() if k != "added_ms_samples"}, indent=1))
+    if options.per_message:
+        print(json.dumps({k: v for k, v in per_message(options.runs).items() if k != "added_ms_samples"}, indent=1))
         return 0
     result: dict = {"benchmark": "sidecar", "machine": f"{os.cpu_count()} cores", "when": time.strftime("%Y-%m-%d %H:%M")}
     stack = Stack(SYNTHETIC)
@@ -242,7 +249,7 @@ def main() -> int:
               f"{result['round_trip']['sidecar_ms_p50']:.2f} ms", flush=True)
     finally:
         stack.stop()
-    result["per_message"] = per_message(runs=16)
+    result["per_message"] = per_message(options.runs)
     print(f"added per message: p50 {result['per_message']['added_us_p50']:.0f} us, "
           f"p99 {result['per_message']['added_us_p99']:.0f} us; byte relay "
           f"{result['per_message'].get('byte_relay', {}).get('added_us_p50', float('nan')):.0f} us")
