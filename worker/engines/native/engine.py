@@ -15,15 +15,15 @@ import math
 import mmap
 import os
 from collections import deque
-from dataclasses import dataclass, field
 
 import torch
 
 from worker.config import ConfigError
 from worker.engines.base import ModelInfo, RequestStream
 from worker.engines.detokenizer import OutputText
-from worker.engines.native.block_manager import BlockManager, BlockTable
+from worker.engines.native.block_manager import BlockManager
 from worker.engines.native.model import Batch, load_model
+from worker.engines.native.sequence import Sequence, Step
 from worker.engines.prompt import encode_prompt
 from worker.engines.sampler import make_generator, sample
 from worker.engines.threaded import ThreadedEngine
@@ -48,35 +48,6 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
         return torch.zeros(shape, dtype=dtype, device=device)
     count = math.prod(shape)
     return torch.frombuffer(mmap.mmap(-1, count * dtype.itemsize), dtype=dtype, count=count).view(shape)
-
-
-@dataclass(eq=False)
-class Sequence:
-    stream: RequestStream
-    request: GenerationRequest
-    generator: torch.Generator
-    text: OutputText
-    tokens: list[int]
-    """Prompt then generated tokens: what the cache must hold (recomputed after a preemption)."""
-    output_ids: list[int] = field(default_factory=list)
-    num_cached: int = 0
-    blocks: BlockTable = field(default_factory=BlockTable)
-    done: bool = False
-    """Its blocks are given back: finished or aborted. A step launched before that ignores its row."""
-    aborted: bool = False
-
-
-@dataclass(eq=False)
-class Step:
-    """A launched step: (sequence, tokens it computes) rows, and the tokens sampled for the rows
-    that end their sequence's known tokens (`ready`, in order), on the device and being copied to
-    the host."""
-
-    scheduled: list[tuple[Sequence, int]]
-    ready: list[Sequence] = field(default_factory=list)
-    tokens: torch.Tensor | None = None
-    host_tokens: torch.Tensor | None = None
-    copied: torch.cuda.Event | None = None
 
 
 class NativeEngine(ThreadedEngine):
