@@ -122,9 +122,9 @@ def _decode_triton(q, k_cache, v_cache, tables, lens, block_size):
     out = torch.empty_like(q)
     tile_blocks = max(1, 64 // block_size)
     # Few sequences make few programs, each walking its whole context: split every context in up
-    # to MAX_SPLITS parts (flash-decoding), then combine the parts. On an H100 at batch 1 (Llama-1B
-    # heads) that took a 4k context from 68 to 16 us and a 16k one from 317 to 43 us, for ~2 us more
-    # at 256 tokens (bench/native_gpu.py).
+    # to MAX_SPLITS parts (flash-decoding), then combine the parts; contexts of up to WHOLE_TILES
+    # tiles stay whole. On an H100 at batch 1 (Llama-1B heads) that took a 4k context from 68 to
+    # 16 us and a 16k one from 319 to 42 us; 256 tokens take 6.2 us either way (bench/native_gpu.py).
     splits = min(MAX_SPLITS, triton.next_power_of_2(-(-256 // (batch * kv_heads)))) if batch * kv_heads < 128 else 1
     partial = [torch.empty(batch, kv_heads, splits, group_pad, *extra, device=q.device, dtype=torch.float32)
                for extra in ((), (), (dim,))] if splits > 1 else [out] * 3
