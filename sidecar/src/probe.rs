@@ -34,7 +34,9 @@ fn status(addr: SocketAddr, path: &str) -> std::io::Result<u16> {
     let mut stream = TcpStream::connect_timeout(&addr, TIMEOUT)?;
     stream.set_read_timeout(Some(TIMEOUT))?;
     stream.set_write_timeout(Some(TIMEOUT))?;
-    write!(stream, "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n")?;
+    // One write: write! on an unbuffered stream sends each piece of the format on its own, and a
+    // server that answers after the first piece and closes makes the next one fail (EPIPE).
+    stream.write_all(format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes())?;
     // The status line fits in the first read: "HTTP/1.1 200 OK".
     let mut head = [0u8; 64];
     let n = stream.read(&mut head)?;
@@ -55,8 +57,13 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         std::thread::spawn(move || {
             let (mut conn, _) = listener.accept().unwrap();
-            let mut request = [0u8; 256];
-            let _ = conn.read(&mut request);
+            let (mut request, mut chunk) = (Vec::new(), [0u8; 256]);
+            while !request.ends_with(b"\r\n\r\n") {
+                match conn.read(&mut chunk) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => request.extend_from_slice(&chunk[..n]),
+                }
+            }
             conn.write_all(answer.as_bytes()).unwrap();
         });
         addr
