@@ -321,16 +321,14 @@ async def test_steps_launched_ahead_end_each_stream_at_its_token(tiny_llama, mon
         assert [len(tokens) for tokens in outputs] == [1, 2, 17, 33]
         stream = engine.stream_predict(GenerationRequest(request_id="gone", prompt_token_ids=prompt,
                                                          sampling=SamplingParams(max_tokens=500, ignore_eos=True)))
-        received = 0
+        received, aborted = 0, False
         async for out in stream:
             received += len(out.token_ids)
-            if received == 5:
+            if received >= 5 and not aborted:  # >=: a slow reader gets several tokens in one output
                 engine.abort(stream)
+                aborted = True
         assert 5 <= received < 500
-        for _ in range(100):
-            if engine.num_unfinished() == 0:
-                break
-            await asyncio.sleep(0.01)
+        # The engine thread drops the sequence before it posts the "aborted" message that ended the loop.
         assert engine.num_unfinished() == 0 and engine.blocks.num_free == engine.blocks.num_blocks
     finally:
         await engine.unload_model()
