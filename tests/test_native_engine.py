@@ -142,6 +142,57 @@ async def test_requests_share_a_system_prompt(embedded_model):
     assert results[True] == results[False]
 
 
+def test_int4_linear_lands_on_a_q4_1_grid():
+    """Weights on GGUF Q4_1's grid (per 32 inputs d * q + m, q 0..15 with both ends used, as its
+    quantizer makes them) come back to within bf16's rounding of the scales, bias included."""
+    from worker.engines.native.linear import Int4Linear
+
+    torch.manual_seed(0)
+    rows, inputs = 96, 128
+    q = torch.randint(0, 16, (rows, inputs // 32, 32))
+    q[..., 0], q[..., 1] = 0, 15
+    d = torch.rand(rows, inputs // 32, 1).half().float() * 0.02 + 1e-3
+    m = -8 * d + torch.randn(rows, inputs // 32, 1).half().float() * 1e-3
+    linear = torch.nn.Linear(inputs, rows)
+    linear.weight.data = (d * q + m).view(rows, inputs)
+    quantized = Int4Linear(linear.to(torch.bfloat16))
+    assert quantized.weight_bytes < rows * inputs  # under a byte a weight, scales included
+    for tokens in (1, 5):
+        x = torch.randn(tokens, inputs)
+        expected = x @ linear.weight.float().T + linear.bias.float()
+        torch.testing.assert_close(quantized(x.bfloat16()).float(), expected, atol=3e-2, rtol=3e-2)
+
+
+async def test_int4_engine_answers_the_france_question(embedded_model):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(embedded_model)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                        add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    engine = engine_for(embedded_model, **{"engine.dtype": "auto", "engine.args": "{quantization: int4}"})
+    await engine.load_model()
+    try:
+        full = load_model(embedded_model, torch.bfloat16, torch.device("cpu")).weight_bytes()
+        assert engine.model.weight_bytes() < 0.6 * full  # layers in 4 bits; embedding and output in bf16
+        request = GenerationRequest(request_id="q", prompt_token_ids=ids, sampling=SamplingParams(max_tokens=20))
+        tokens = [t async for out in engine.stream_predict(request) for t in out.token_ids]
+        assert tokenizer.decode(tokens, skip_special_tokens=True).strip() == "The capital of France is Paris."
+        assert engine.num_unfinished() == 0 and engine.blocks.num_free == engine.blocks.num_blocks
+    finally:
+        await engine.unload_model()
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"engine.args": "{quantization: int8}"}, "none | int4"),
+    ({"engine.args": "{quantization: int4}", "engine.dtype": "float32"}, "bfloat16 activations"),
+])
+def test_quantization_settings_are_checked(embedded_model, settings, message):
+    from worker.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        engine_for(embedded_model, **settings)
+
+
 def test_block_manager_shares_refcounts_and_evicts_least_recently_freed():
     from worker.engines.native.block_manager import BlockManager, BlockTable
 
@@ -204,7 +255,7 @@ def test_block_manager_without_prefix_caching_shares_nothing():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton decode kernel runs on CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_decode_matches_the_gather_path(dtype):
-    from worker.engines.native.attention import _decode_gather, _decode_triton
+    from worker.engines.native.attention import _decode_triton, gather_attention
 
     torch.manual_seed(0)
     block_size, blocks, kv_heads, dim, heads = 16, 128, 3, 64, 9  # SmolLM2's grouping: 3 query heads per KV head
@@ -216,7 +267,7 @@ def test_triton_decode_matches_the_gather_path(dtype):
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     for copies in (1, 1, 8):  # 6 sequences split their contexts in parts (twice: the parts' counts reset); 48 do not
         q, tables, lens = (x.repeat(copies, *[1] * (x.dim() - 1)) for x in (q[:6], tables[:6], lens[:6]))
-        expected = _decode_gather(q, k, v, tables, lens, block_size)
+        expected = gather_attention(q, k, v, tables, lens, block_size)
         torch.testing.assert_close(_decode_triton(q, k, v, tables, lens, block_size), expected, atol=tolerance, rtol=tolerance)
 
 

@@ -46,7 +46,8 @@ def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
             k_cache.stride(0), k_cache.stride(1), HEADS=heads, KV_HEADS=kv_heads,
             HEADS_PAD=triton.next_power_of_2(heads), KV_PAD=triton.next_power_of_2(kv_heads), HALF=dim // 2)
         return q_out, k_out
-    q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+    heads = q.shape[1]
+    q, k = rotate(torch.cat((q, k), 1), cos, sin).split([heads, k.shape[1]], 1)  # one rotation: fewer calls
     k_cache.index_copy_(0, slots, k)
     v_cache.index_copy_(0, slots, v)
     return q, k
@@ -73,32 +74,44 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-                     lens: torch.Tensor, block_size: int) -> torch.Tensor:
+                     lens: torch.Tensor, block_size: int, gather: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """q (B, H, D), one token per sequence; tables (B, max_blocks) int32; lens (B,) context
-    lengths, int32 or int64 (0 for a padding row, whose output is 0). Returns (B, H, D)."""
+    lengths, int32 or int64 (0 for a padding row, whose output is 0). Returns (B, H, D).
+    `gather`: decode_gather(tables, lens, block_size), made once for a step's layers (no padding rows)."""
     if q.is_cuda and triton is not None:
         return _decode_triton(q, k_cache, v_cache, tables, lens, block_size)
-    return _decode_gather(q, k_cache, v_cache, tables, lens, block_size)
+    if gather is not None:
+        return _decode_gather(q, k_cache, v_cache, block_size, *gather)
+    return gather_attention(q, k_cache, v_cache, tables, lens, block_size)
 
 
-def _decode_gather(q, k_cache, v_cache, tables, lens, block_size):
-    batch, heads, dim = q.shape
-    longest = int(lens.max()) if batch else 0
-    if longest == 0:
+def gather_attention(q, k_cache, v_cache, tables, lens, block_size):
+    """decode_attention without Triton, for rows of any length (0 too)."""
+    if not len(lens) or int(lens.max()) == 0:
         return torch.zeros_like(q)
-    width = -(-longest // block_size)
+    out = _decode_gather(q, k_cache, v_cache, block_size, *decode_gather(tables, lens, block_size))
+    return torch.where(lens[:, None, None] > 0, out, 0)
+
+
+def decode_gather(tables: torch.Tensor, lens: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The blocks the gather path reads, (B * width,), and which of their slots count, (B, 1, 1,
+    width * block_size): the same for every layer of a step."""
+    width = -(-int(lens.max()) // block_size)
+    mask = torch.arange(width * block_size, device=lens.device)[None, :] < lens[:, None]
+    return tables[:, :width].reshape(-1), mask[:, None, None, :]
+
+
+def _decode_gather(q, k_cache, v_cache, block_size, blocks, mask):
+    batch, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
-    blocks = tables[:, :width].reshape(-1)
     # Whole blocks at a time (index_select of block_size contiguous rows): on CPU a gather slot by
     # slot took most of a decode step at batch 8. (B, kv_heads, width * block_size, D):
     k, v = (cache.view(-1, block_size, kv_heads, dim).index_select(0, blocks)
-            .view(batch, width * block_size, kv_heads, dim).transpose(1, 2) for cache in (k_cache, v_cache))
-    mask = (torch.arange(width * block_size, device=q.device)[None, :] < lens[:, None])[:, None, None, :]
+            .view(batch, mask.shape[-1], kv_heads, dim).transpose(1, 2) for cache in (k_cache, v_cache))
     queries = q[:, :, None, :]
     if q.device.type == "cpu" and q.dtype != torch.float32:  # torch's CPU SDPA is 5x slower in bf16 than in fp32
         queries, k, v = queries.float(), k.float(), v.float()
-    out = F.scaled_dot_product_attention(queries, k, v, attn_mask=mask, enable_gqa=True)[:, :, 0, :].to(q.dtype)
-    return torch.where(lens[:, None, None] > 0, out, 0)
+    return F.scaled_dot_product_attention(queries, k, v, attn_mask=mask, enable_gqa=True)[:, :, 0, :].to(q.dtype)
 
 
 _ARRIVALS: dict[torch.device, torch.Tensor] = {}

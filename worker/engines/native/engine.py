@@ -34,10 +34,11 @@ from worker.telemetry import get_logger
 
 log = get_logger(__name__)
 GIB = 1 << 30
+PREFILL_ROWS = 64
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ARGS = {"block_size": 16, "max_num_batched_tokens": 2048, "max_num_seqs": 64, "gpu_memory_utilization": 0.9,
         "kv_cache_dtype": "auto", "enable_prefix_caching": True, "enforce_eager": False, "cpu_threads": 0,
-        "overlap_output": "auto"}
+        "overlap_output": "auto", "quantization": "none"}
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -62,6 +63,11 @@ class NativeEngine(ThreadedEngine):
         self.args = {**ARGS, **config.engine.args}
         if self.args["kv_cache_dtype"] != "auto":
             raise ConfigError("engine.args.kv_cache_dtype", "the native engine keeps the KV cache in the model's dtype")
+        self.quantization = str(self.args["quantization"]).lower()
+        if self.quantization not in ("none", "int4"):
+            raise ConfigError("engine.args.quantization", "none | int4 (weight-only, on CPU)")
+        if self.quantization == "int4" and config.engine.dtype not in ("auto", "bfloat16"):
+            raise ConfigError("engine.args.quantization", f"int4 runs with bfloat16 activations, not {config.engine.dtype}")
         self._overlap_setting = str(self.args["overlap_output"]).lower()
         if self._overlap_setting not in ("auto", "true", "false"):
             raise ConfigError("engine.args.overlap_output", "auto (on for CUDA) | true | false")
@@ -80,17 +86,23 @@ class NativeEngine(ThreadedEngine):
         folder = locate_model(engine.model, self.config.models.cache_dir, log=lambda m: log.info(m))
         self.device = torch.device(engine.device if engine.device != "auto" else
                                    ("cuda" if torch.cuda.is_available() else "cpu"))
-        dtype = DTYPES.get(engine.dtype) or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        if self.quantization == "int4" and self.device.type != "cpu":
+            raise ConfigError("engine.args.quantization", f"int4 runs on CPU; the device is {self.device}")
+        dtype = DTYPES.get(engine.dtype) or (
+            torch.bfloat16 if self.device.type == "cuda" or self.quantization == "int4" else torch.float32)
         cores = len(os.sched_getaffinity(0))
         torch.set_num_threads(cores)  # packing the weights for oneDNN (CPU) takes most of the load
         try:
-            self.model = load_model(folder, dtype, self.device)
+            self.model = load_model(folder, dtype, self.device, None if self.quantization == "none" else self.quantization)
         except ValueError as exc:
             raise ConfigError("engine.model", str(exc)) from exc
+        # On CPU, intra-op threads per step: (decode-sized, prefill-sized). Decode steps leave one
+        # core to the event loop thread, which turns every step's outputs into messages: on 2 cores,
+        # 1 thread ran batch 8 at 77 tok/s against 63 with 2, and batch 1 at 22 ms a token against
+        # 41. A step of PREFILL_ROWS tokens or more is compute with few messages behind it: all cores.
+        self._threads = (int(self.args["cpu_threads"]) or max(1, cores - 1), int(self.args["cpu_threads"]) or cores)
         if self.device.type == "cpu":
-            # One core is left to the event loop thread, which turns every step's outputs into
-            # messages: on 2 cores, 1 intra-op thread ran batch 8 at 77 tok/s against 63 with 2.
-            torch.set_num_threads(int(self.args["cpu_threads"]) or max(1, cores - 1))
+            torch.set_num_threads(self._threads[0])
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
         c = self.model.config
         block_size = int(self.args["block_size"])
@@ -266,6 +278,8 @@ class NativeEngine(ThreadedEngine):
             slots=torch.tensor(slots, device=device), query_lens=[c for _, c in scheduled],
             context_lens=[s.num_cached + c for s, c in scheduled], block_tables=[s.blocks.blocks for s, _ in scheduled],
             last_token_index=torch.tensor(last, device=device), block_size=block_size)
+        if device.type == "cpu" and (threads := self._threads[len(ids) >= PREFILL_ROWS]) != torch.get_num_threads():
+            torch.set_num_threads(threads)
         try:
             return self.model(batch, self.k_cache, self.v_cache)
         except torch.OutOfMemoryError:

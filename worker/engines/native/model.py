@@ -14,9 +14,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from worker.engines.native.attention import decode_attention, prefill_attention, rope_and_store
+from worker.engines.native.attention import decode_attention, decode_gather, prefill_attention, rope_and_store
 from worker.engines.native.elementwise import Elementwise
 from worker.engines.native.gemv import RowLinear, triton
+from worker.engines.native.linear import PackedLinear, cpu_linear
 
 SUPPORTED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
 
@@ -83,6 +84,7 @@ class Batch:
     decode_index: torch.Tensor | None = None  # (N,) rows of T that are one-token decodes; None: all of T
     decode_tables: torch.Tensor | None = None  # (N, max_blocks) int32, zero-padded
     decode_lens: torch.Tensor | None = None  # (N,) int32 context lengths
+    decode_gather: tuple[torch.Tensor, torch.Tensor] | None = None  # without Triton: see attention.decode_gather
 
     def prepare(self) -> Batch:
         """Per-step index work, done once here rather than in every layer."""
@@ -110,31 +112,12 @@ class Batch:
             tables = [self.block_tables[i] + [0] * (width - len(self.block_tables[i])) for i in decodes]
             self.decode_tables = torch.tensor(tables, dtype=torch.int32, device=device)
             self.decode_lens = torch.tensor([self.context_lens[i] for i in decodes], dtype=torch.int32, device=device)
+            if device.type != "cuda" or triton is None:
+                self.decode_gather = decode_gather(self.decode_tables, self.decode_lens, self.block_size)
             if len(decodes) < len(self.query_lens):
                 rows = torch.tensor(self.query_lens, device=device).cumsum(0) - 1
                 self.decode_index = rows[torch.tensor(decodes, device=device)]
         return self
-
-
-class PackedLinear(nn.Module):
-    """A linear layer whose weight oneDNN lays out for its CPU kernels once, at load. torch's plain
-    CPU linear repacks the weight on every call of more than one row: at batch 8 that was 60% of a
-    SmolLM2 decode step in fp32, and the packed kernel is also faster in bf16 and at batch 1."""
-
-    def __init__(self, linear: nn.Linear):
-        super().__init__()
-        weight = linear.weight.detach()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 8)  # a batch-size hint; any batch runs
-        self.bias = linear.bias
-        self.weight_bytes = weight.numel() * weight.element_size()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-
-    @staticmethod
-    def supports(dtype: torch.dtype) -> bool:
-        return torch.backends.mkldnn.is_available() and (
-            dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()))
 
 
 class RMSNorm(nn.Module):
@@ -173,12 +156,13 @@ class Attention(nn.Module):
                               batch.slots, self.ops.rotate)
         v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
         if not batch.prefills and not batch.fresh:  # every token a decode: the common step, and the CUDA graph's
-            out = decode_attention(q, k_cache, v_cache, batch.decode_tables, batch.decode_lens, batch.block_size)
+            out = decode_attention(q, k_cache, v_cache, batch.decode_tables, batch.decode_lens, batch.block_size,
+                                   batch.decode_gather)
         else:
             out = prefill_attention(q, k, v, k_cache, v_cache, batch.fresh, batch.prefills)
             if batch.decode_tables is not None:
                 out[batch.decode_index] = decode_attention(q[batch.decode_index], k_cache, v_cache, batch.decode_tables,
-                                                           batch.decode_lens, batch.block_size)
+                                                           batch.decode_lens, batch.block_size, batch.decode_gather)
         return self.o_proj(out.reshape(tokens, -1))
 
 
@@ -243,16 +227,16 @@ class LlamaModel(nn.Module):
             x, residual = x[batch.last_token_index], residual[batch.last_token_index]
         return self.lm_head(self.norm.add(x, residual)[1])
 
-    def wrap_linears(self, wrapper: type[nn.Module]) -> None:
-        """Every linear layer (the tied lm_head too) replaced by wrapper(layer): a PackedLinear on
-        CPU (the lm_head as its own copy), a RowLinear on CUDA."""
+    def wrap_linears(self, wrapper) -> None:
+        """Every linear layer (the tied lm_head too) replaced by wrapper(layer): on CPU a layer of
+        linear.py (the lm_head as its own copy), a RowLinear on CUDA."""
         for module in list(self.modules()):
             for name, child in list(module.named_children()):
                 if type(child) is nn.Linear:
                     setattr(module, name, wrapper(child))
 
     def weight_bytes(self) -> int:
-        packed = {id(m.packed): m.weight_bytes for m in self.modules() if isinstance(m, PackedLinear)}
+        packed = {id(m.packed): m.weight_bytes for m in self.modules() if hasattr(m, "packed")}
         return sum(p.numel() * p.element_size() for p in self.parameters()) + sum(packed.values())
 
 
@@ -267,8 +251,9 @@ def merge_projections(state: dict[str, torch.Tensor], num_layers: int) -> None:
                     state[f"layers.{layer}.{module}{merged}.{kind}"] = torch.cat([state.pop(key) for key in keys])
 
 
-def load_model(folder: Path, dtype: torch.dtype, device: torch.device) -> LlamaModel:
-    """Weights from the folder's safetensors files (any dtype), cast to `dtype` on `device`."""
+def load_model(folder: Path, dtype: torch.dtype, device: torch.device, quantization: str | None = None) -> LlamaModel:
+    """Weights from the folder's safetensors files (any dtype), cast to `dtype` on `device`;
+    quantization "int4": the linear layers' weights in 4 bits (CPU, bf16)."""
     from safetensors.torch import load_file
 
     config = ModelConfig.from_folder(folder)
@@ -293,6 +278,11 @@ def load_model(folder: Path, dtype: torch.dtype, device: torch.device) -> LlamaM
     if device.type == "cuda" and triton is not None:
         model.ops.use_triton()
         model.wrap_linears(RowLinear)
-    if device.type == "cpu" and PackedLinear.supports(dtype):
-        model.wrap_linears(PackedLinear)
+    if device.type == "cpu" and quantization == "int4":
+        # The output layer stays in bf16, as llama.cpp's 4-bit files keep theirs in 6 or 8 bits: the
+        # embedded model's (tied to its Q8_0 embedding) lost 9% of its norm in 4 bits, and with it
+        # the answer to the France question.
+        model.lm_head = PackedLinear(model.lm_head)
+    if device.type == "cpu" and (wrapper := cpu_linear(quantization, dtype)) is not None:
+        model.wrap_linears(wrapper)
     return model
