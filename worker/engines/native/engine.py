@@ -93,13 +93,13 @@ class NativeEngine(ThreadedEngine):
         cores = len(os.sched_getaffinity(0))
         torch.set_num_threads(cores)  # packing the weights for oneDNN (CPU) takes most of the load
         try:
-            self.model = load_model(folder, dtype, self.device, None if self.quantization == "none" else self.quantization)
+            self.model = load_model(folder, dtype, self.device, self.quantization)
         except ValueError as exc:
             raise ConfigError("engine.model", str(exc)) from exc
         # On CPU, intra-op threads per step: (decode-sized, prefill-sized). Decode steps leave one
         # core to the event loop thread, which turns every step's outputs into messages: on 2 cores,
-        # 1 thread ran batch 8 at 77 tok/s against 63 with 2, and batch 1 at 22 ms a token against
-        # 41. A step of PREFILL_ROWS tokens or more is compute with few messages behind it: all cores.
+        # 1 thread ran batch 8 at 77 tok/s against 63 with 2, and batch 1 (int4) at 22 ms a token
+        # against 41. A step of PREFILL_ROWS tokens or more is compute with few messages behind it: all cores.
         self._threads = (int(self.args["cpu_threads"]) or max(1, cores - 1), int(self.args["cpu_threads"]) or cores)
         if self.device.type == "cpu":
             torch.set_num_threads(self._threads[0])

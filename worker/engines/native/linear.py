@@ -4,8 +4,9 @@ A decode step on a CPU is mostly its linear layers reading their weights, so the
 - `PackedLinear`: the full-precision weight in oneDNN's blocked layout (fp32 or bf16).
 - `Int4Linear` (engine.args.quantization=int4): weight-only 4-bit, a scale and an offset per group
   of 32 inputs (the scheme of GGUF's Q4_1), through torch's int4 CPU kernel with bf16 activations.
-  A quarter of bf16's bytes: on the 2-core machine a SmolLM2 decode step at batch 1 took 23 ms
-  against 49 (one thread), and at batch 8 70 against 74.
+  A quarter of bf16's bytes: on the 2-core machine SmolLM2 decoded one stream at 19 ms a token
+  against 29 in bf16, but batch 8 ran at 138 tok/s against 159 and a 128-token prompt took 287 ms
+  against 169 (bench/engines_cpu.py): the kernel's time grows with every row, bf16's GEMM less so.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ class Int4Linear(nn.Module):
         return linear.in_features % GROUP == 0
 
 
-def cpu_linear(quantization: str | None, dtype: torch.dtype):
+def cpu_linear(quantization: str, dtype: torch.dtype):
     """The wrapper load_model puts around each nn.Linear on a CPU, or None to keep torch's."""
     if quantization == "int4":
         return lambda linear: Int4Linear(linear) if Int4Linear.fits(linear) else PackedLinear(linear)

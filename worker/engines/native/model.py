@@ -251,7 +251,7 @@ def merge_projections(state: dict[str, torch.Tensor], num_layers: int) -> None:
                     state[f"layers.{layer}.{module}{merged}.{kind}"] = torch.cat([state.pop(key) for key in keys])
 
 
-def load_model(folder: Path, dtype: torch.dtype, device: torch.device, quantization: str | None = None) -> LlamaModel:
+def load_model(folder: Path, dtype: torch.dtype, device: torch.device, quantization: str = "none") -> LlamaModel:
     """Weights from the folder's safetensors files (any dtype), cast to `dtype` on `device`;
     quantization "int4": the linear layers' weights in 4 bits (CPU, bf16)."""
     from safetensors.torch import load_file
