@@ -1,6 +1,8 @@
 """Through the sidecar vs straight to the worker's socket, in one run.
 
-1. tokens/s ratio and TTFT at 1, 64 and 256 streams on the synthetic engine (100k tokens/s);
+1. tokens/s ratio and TTFT at 1, 64 and 256 streams on the synthetic engine (100k tokens/s), the
+   median of --repeats runs of each path, alternated (at 256 streams one run's TTFT p50 ranged
+   from 54 to 135 ms straight to the worker on the same host);
 2. added latency per streamed message: a direct stream and a sidecar stream run side by side on a worker in lockstep (every running request gets one
    token per 10 ms step), so token k of both is made in the same step; the arrival difference, less
    whole steps of admission offset, is what the sidecar adds to each message;
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -180,6 +183,11 @@ def per_message(runs: int) -> dict:
     return result
 
 
+def middle(values: list):
+    """Each numeric field of a path's runs as its median; a string field (the mode) as it is."""
+    return values[0] if isinstance(values[0], str) else statistics.median(values)
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -218,6 +226,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--per-message", action="store_true", help="only the per-message figure, printed")
     parser.add_argument("--runs", type=int, default=16, help="pairs of lockstep streams for the per-message figure")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each path at each stream count")
     options = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if options.per_message:
@@ -229,9 +238,13 @@ def main() -> int:
         rows = []
         for streams in (1, 64, 256):
             common = ["--streams", str(streams), "--max-tokens", str(200_000 // streams)]
-            direct = bench_once(["--socket", stack.socket, *common])
-            via = bench_once(["--target", f"127.0.0.1:{stack.port}", *common])
-            rows.append({"streams": streams, "direct": direct, "sidecar": via,
+            runs: dict[str, list[dict]] = {"direct": [], "sidecar": []}
+            for _ in range(options.repeats):
+                runs["direct"].append(bench_once(["--socket", stack.socket, *common]))
+                runs["sidecar"].append(bench_once(["--target", f"127.0.0.1:{stack.port}", *common]))
+            direct, via = ({key: middle([run[key] for run in runs[side]]) for key in runs[side][0]}
+                           for side in ("direct", "sidecar"))
+            rows.append({"streams": streams, "direct": direct, "sidecar": via, "runs": runs,
                          "tokens_per_s_ratio": via["tokens_per_s"] / direct["tokens_per_s"],
                          "ttft_p50_added_ms": via["ttft_ms_p50"] - direct["ttft_ms_p50"]})
             print(f"{streams:4d} streams: direct {direct['tokens_per_s']:8.0f} tok/s, sidecar {via['tokens_per_s']:8.0f} "
