@@ -5,8 +5,8 @@ A decode step on a CPU is mostly its linear layers reading their weights, so the
 - `Int4Linear` (engine.args.quantization=int4): weight-only 4-bit, a scale and an offset per group
   of 32 inputs (the scheme of GGUF's Q4_1), through torch's int4 CPU kernel with bf16 activations.
   A quarter of bf16's bytes: on the 2-core machine SmolLM2 decoded one stream at 19 ms a token
-  against 29 in bf16, but batch 8 ran at 138 tok/s against 159 and a 128-token prompt took 287 ms
-  against 169 (bench/engines_cpu.py): the kernel's time grows with every row, bf16's GEMM less so.
+  against 28 in bf16, but batch 8 ran at 183 tok/s against 200 and a 128-token prompt took 412 ms
+  against 143 (bench/engines_cpu.py): the kernel's time grows with every row, bf16's GEMM less so.
 """
 
 from __future__ import annotations
