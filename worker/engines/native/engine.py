@@ -259,7 +259,7 @@ class NativeEngine(ThreadedEngine):
 
     def _forward(self, scheduled: list[tuple[Sequence, int]]) -> torch.Tensor:
         if self.graphs is not None and len(scheduled) <= self.graphs.max_batch and all(c == 1 for _, c in scheduled):
-            return self._decode_in_graph(scheduled)
+            return self.graphs.decode([seq for seq, _ in scheduled], self.blocks.block_size)
         block_size = self.blocks.block_size
         ids, positions, slots, last = [], [], [], []
         for seq, count in scheduled:
@@ -286,31 +286,13 @@ class NativeEngine(ThreadedEngine):
                 self._post(seq.stream.fail, DeviceOutOfMemory("device out of memory on this step"))
             return None
 
-    def _decode_in_graph(self, scheduled: list[tuple[Sequence, int]], after: Step | None = None) -> torch.Tensor:
-        """One token per sequence, through the captured graphs: the inputs go straight into the
-        graphs' pinned host buffers (at batch 256 this loop is about a third of the engine thread's
-        step). After `after`, each sequence's input is its token pending there, taken on the device."""
-        block_size = self.blocks.block_size
-        (ids, positions, slots, lens), tables = self.graphs.host_inputs()
-        width = 0
-        for row, (seq, _) in enumerate(scheduled):
-            position = len(seq.tokens) if after else seq.num_cached
-            table = seq.blocks.blocks
-            if not after:
-                ids[row] = seq.tokens[position]
-            positions[row] = position
-            slots[row] = table[position // block_size] * block_size + position % block_size
-            lens[row] = position + 1
-            tables[row, :len(table)] = table
-            width = max(width, len(table))
-        return self.graphs.run(len(scheduled), width, after.tokens if after else None)
-
     def _launch(self, scheduled: list[tuple[Sequence, int]], after: Step | None = None) -> Step:
         """Queues the step and its sampling; nothing here waits for the device. `after`: the step
         still running whose sampled tokens are this decode step's inputs (see _launch_ahead)."""
         if not scheduled:
             return Step([])
-        logits = self._decode_in_graph(scheduled, after) if after else self._forward(scheduled)
+        logits = (self.graphs.decode([seq for seq, _ in scheduled], self.blocks.block_size, after.tokens)
+                  if after else self._forward(scheduled))
         if logits is None:  # out of memory; the step's sequences have failed
             return Step([])
         # Rows that end their sequence's known tokens get a next one (a chunk mid-prompt does not).

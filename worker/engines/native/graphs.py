@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from worker.engines.native.model import Batch, LlamaModel
+from worker.engines.native.sequence import Sequence
 
 
 def graph_sizes(max_batch: int) -> list[int]:
@@ -67,6 +68,25 @@ class DecodeGraphs:
         fill for the next run, once the last run's copies out of them are done."""
         self.copied.synchronize()
         return self.host_packed.numpy(), self.host_tables.numpy()
+
+    def decode(self, seqs: list[Sequence], block_size: int, pending: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (n, vocab) of one token for each of the n sequences, their inputs written straight
+        into the pinned host buffers (at batch 256 this loop is about a third of the engine
+        thread's step). `pending` (n,) on the device: each sequence's input is its token sampled by
+        the step still running, not yet on the host (the engine's launch-ahead)."""
+        (ids, positions, slots, lens), tables = self.host_inputs()
+        width = 0
+        for row, seq in enumerate(seqs):
+            position = len(seq.tokens) if pending is not None else seq.num_cached
+            table = seq.blocks.blocks
+            if pending is None:
+                ids[row] = seq.tokens[position]
+            positions[row] = position
+            slots[row] = table[position // block_size] * block_size + position % block_size
+            lens[row] = position + 1
+            tables[row, :len(table)] = table
+            width = max(width, len(table))
+        return self.run(len(seqs), width, pending)
 
     def run(self, n: int, width: int, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (n, vocab) of the n one-token decodes in rows [0, n) of the host inputs, whose block

@@ -71,9 +71,3 @@ class Int4Linear(nn.Module):
     def fits(linear: nn.Linear) -> bool:
         return linear.in_features % GROUP == 0
 
-
-def cpu_linear(quantization: str, dtype: torch.dtype):
-    """The wrapper load_model puts around each nn.Linear on a CPU, or None to keep torch's."""
-    if quantization == "int4":
-        return lambda linear: Int4Linear(linear) if Int4Linear.fits(linear) else PackedLinear(linear)
-    return PackedLinear if PackedLinear.supports(dtype) else None

@@ -17,7 +17,7 @@ from torch import nn
 from worker.engines.native.attention import decode_attention, decode_gather, prefill_attention, rope_and_store
 from worker.engines.native.elementwise import Elementwise
 from worker.engines.native.gemv import RowLinear, triton
-from worker.engines.native.linear import PackedLinear, cpu_linear
+from worker.engines.native.linear import Int4Linear, PackedLinear
 
 SUPPORTED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
 
@@ -227,17 +227,18 @@ class LlamaModel(nn.Module):
             x, residual = x[batch.last_token_index], residual[batch.last_token_index]
         return self.lm_head(self.norm.add(x, residual)[1])
 
-    def wrap_linears(self, wrapper) -> None:
-        """Every linear layer (the tied lm_head too) replaced by wrapper(layer): on CPU a layer of
-        linear.py (the lm_head as its own copy), a RowLinear on CUDA."""
-        for module in list(self.modules()):
-            for name, child in list(module.named_children()):
-                if type(child) is nn.Linear:
-                    setattr(module, name, wrapper(child))
-
     def weight_bytes(self) -> int:
         packed = {id(m.packed): m.weight_bytes for m in self.modules() if hasattr(m, "packed")}
         return sum(p.numel() * p.element_size() for p in self.parameters()) + sum(packed.values())
+
+
+def wrap_linears(root: nn.Module, wrapper) -> None:
+    """Every plain nn.Linear under `root` (a tied lm_head too, as its own copy) replaced by
+    wrapper(layer), which may return the layer as it is; layers already wrapped are left alone."""
+    for module in list(root.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is nn.Linear:
+                setattr(module, name, wrapper(child))
 
 
 def merge_projections(state: dict[str, torch.Tensor], num_layers: int) -> None:
@@ -277,12 +278,12 @@ def load_model(folder: Path, dtype: torch.dtype, device: torch.device, quantizat
     model = model.to(device).eval()
     if device.type == "cuda" and triton is not None:
         model.ops.use_triton()
-        model.wrap_linears(RowLinear)
+        wrap_linears(model, RowLinear)
     if device.type == "cpu" and quantization == "int4":
-        # The output layer stays in bf16, as llama.cpp's 4-bit files keep theirs in 6 or 8 bits: the
-        # embedded model's (tied to its Q8_0 embedding) lost 9% of its norm in 4 bits, and with it
-        # the answer to the France question.
-        model.lm_head = PackedLinear(model.lm_head)
-    if device.type == "cpu" and (wrapper := cpu_linear(quantization, dtype)) is not None:
-        model.wrap_linears(wrapper)
+        # The decoder layers only: the output layer stays in bf16, as llama.cpp's 4-bit files keep
+        # theirs in 6 or 8 bits. The embedded model's (tied to its Q8_0 embedding) lost 9% of its
+        # norm in 4 bits, and with it the answer to the France question.
+        wrap_linears(model.layers, lambda linear: Int4Linear(linear) if Int4Linear.fits(linear) else linear)
+    if device.type == "cpu" and PackedLinear.supports(dtype):
+        wrap_linears(model, PackedLinear)
     return model
