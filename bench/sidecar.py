@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -31,7 +30,7 @@ sys.path.insert(0, str(REPO))
 
 import grpc  # noqa: E402
 
-from bench.transport import SYNTHETIC, bench_once, cy_llm, wait_ready  # noqa: E402
+from bench.transport import SYNTHETIC, bench_once, cy_llm, middle, wait_ready  # noqa: E402
 from worker.gen.cyllm.inference.v1 import inference_pb2 as pb  # noqa: E402
 from worker.gen.cyllm.inference.v1 import inference_pb2_grpc as pb_grpc  # noqa: E402
 from worker.loadgen import percentile  # noqa: E402
@@ -181,11 +180,6 @@ def per_message(runs: int) -> dict:
                         "150 tokens each, each read by its own client process; the order of admission alternates "
                         "and the estimate is the mean of the two orders' percentiles")
     return result
-
-
-def middle(values: list):
-    """Each numeric field of a path's runs as its median; a string field (the mode) as it is."""
-    return values[0] if isinstance(values[0], str) else statistics.median(values)
 
 
 def plot(result: dict, path: Path) -> None:

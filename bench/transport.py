@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -44,6 +45,11 @@ def bench_once(args: list[str]) -> dict:
         subprocess.run(cy_llm("bench", *args, "--json", f"{tmp}/result.json"), capture_output=True, text=True,
                        check=True, cwd=REPO)
         return json.loads(Path(f"{tmp}/result.json").read_text())
+
+
+def middle(values: list):
+    """A field of repeated runs as one value: a number's median, a string (the mode) as it is."""
+    return values[0] if isinstance(values[0], str) else statistics.median(values)
 
 
 def compare(name: str, engine_args: list[str], cases: list[tuple[int, int]]) -> list[dict]:

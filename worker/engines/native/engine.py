@@ -24,7 +24,7 @@ from worker.engines.detokenizer import OutputText
 from worker.engines.native.block_manager import BlockManager
 from worker.engines.native.model import Batch, load_model
 from worker.engines.native.sequence import Sequence, Step
-from worker.engines.prompt import encode_prompt
+from worker.engines.prompt import encode_prompt, load_tokenizer
 from worker.engines.sampler import make_generator, sample
 from worker.engines.threaded import ThreadedEngine
 from worker.errors import DeviceOutOfMemory
@@ -79,8 +79,6 @@ class NativeEngine(ThreadedEngine):
         self.prefix_queried_tokens = self.prefix_hit_tokens = 0
 
     def _load(self) -> None:
-        from transformers import AutoTokenizer
-
         engine = self.config.engine
         folder = locate_model(engine.model, self.config.models.cache_dir, log=lambda m: log.info(m))
         self.device = torch.device(engine.device if engine.device != "auto" else
@@ -100,7 +98,7 @@ class NativeEngine(ThreadedEngine):
             # too (threaded.py), 2 threads on 2 cores ran SmolLM2 at batch 8 at 182 tok/s in bf16
             # and 155 in fp32, against 135 and 109 with one.
             torch.set_num_threads(int(self.args["cpu_threads"]) or cores)
-        self.tokenizer = AutoTokenizer.from_pretrained(folder)
+        self.tokenizer = load_tokenizer(folder)
         c = self.model.config
         block_size = int(self.args["block_size"])
         bytes_per_block = c.num_layers * 2 * c.num_kv_heads * c.head_dim * dtype.itemsize * block_size

@@ -201,14 +201,18 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.config = config
         self.ops = Elementwise()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # _weight: no random init (on meta, nn.Embedding's normal_ imports torch._dynamo: 1.2-2 s of startup).
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config, self.ops) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, self.ops)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2).float() / config.head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # On the CPU even when built on meta: a meta arange and division import torch's Python
+        # references (0.5-1 s of startup), and a meta buffer would hold no values.
+        steps = torch.arange(0, config.head_dim, 2, device="cpu").float() / config.head_dim
+        self.register_buffer("inv_freq", 1.0 / config.rope_theta ** steps, persistent=False)
 
     @torch.inference_mode()
     def forward(self, batch: Batch, k_caches: torch.Tensor, v_caches: torch.Tensor) -> torch.Tensor:
@@ -274,7 +278,6 @@ def load_model(folder: Path, dtype: torch.dtype, device: torch.device, quantizat
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model.inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2).float() / config.head_dim))
     model = model.to(device).eval()
     if device.type == "cuda" and triton is not None:
         model.ops.use_triton()
