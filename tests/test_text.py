@@ -1,4 +1,4 @@
-"""Sampling and detokenization, the pieces the engines share."""
+"""Tokenizer loading, sampling and detokenization: the pieces the engines share."""
 
 import pytest
 import torch
@@ -97,3 +97,35 @@ def test_chunked_argmax_finds_each_rows_first_maximum():
     logits[1, 5000] = logits[1, 90000] = 100  # a tie: the first one wins, as torch.argmax
     logits[2, -1] = 100  # in the last chunk, which padding fills out
     assert argmax(logits).tolist() == logits.float().argmax(dim=-1).tolist() == [argmax(logits)[0].item(), 5000, 128255]
+
+
+@pytest.mark.model
+def test_load_tokenizer_reads_a_generic_tokenizer_as_auto_tokenizer_does(embedded_model):
+    from transformers import AutoTokenizer
+
+    from worker.engines.prompt import encode_prompt, load_tokenizer
+    from worker.request import ChatMessage, GenerationRequest
+
+    fast, auto = load_tokenizer(embedded_model), AutoTokenizer.from_pretrained(embedded_model)
+    assert type(fast) is type(auto) and fast.eos_token_id == auto.eos_token_id
+    for request in (GenerationRequest(request_id="t", sampling=SamplingParams(), prompt="héllo wörld, 1234 🙂\n\tdone"),
+                    GenerationRequest(request_id="c", sampling=SamplingParams(), messages=(ChatMessage("system", "Be brief."),
+                                                                ChatMessage("user", "What is the capital of France?")))):
+        ids = encode_prompt(fast, request)
+        assert ids == encode_prompt(auto, request)
+        assert fast.decode(ids) == auto.decode(ids)
+
+
+@pytest.mark.model
+def test_the_native_engine_loads_without_importing_torch_dynamo(embedded_model):
+    # AutoTokenizer (through transformers 5's config imports) and random init on the meta device
+    # both import torch._dynamo: 1.5 s of a start that takes about 1.3 s without it.
+    import subprocess
+    import sys
+
+    code = ("import sys, torch; from pathlib import Path; from worker.engines.native.model import load_model; "
+            "from worker.engines.prompt import load_tokenizer; folder = Path(sys.argv[1]); "
+            "load_model(folder, torch.float32, torch.device('cpu')); load_tokenizer(folder); "
+            "print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, str(embedded_model)], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
