@@ -131,8 +131,12 @@ class ThreadedEngine(BaseEngine):
 
 
 def _settle(future: asyncio.Future, error: BaseException | None) -> None:
-    if not future.done():  # a load_model that was cancelled no longer waits
-        future.set_result(None) if error is None else future.set_exception(error)
+    if future.done():  # a load_model that was cancelled no longer waits
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
 
 
 def _run_all(calls: list[tuple[Callable[[Any], None], Any]]) -> None:
