@@ -70,8 +70,11 @@ ARG PIP_INDEX_URL
 ARG PIP_EXTRA_INDEX_URL
 ARG PIP_FIND_LINKS
 ARG PIP_CERT
+# On CPUs the native engine compiles its C++ kernels on first start for the CPU it runs on
+# (engine.kernel_dir, below), so the CPU image carries a C++ compiler.
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends python3 python3-venv \
+      $(case "$HARDWARE" in cpu*) echo g++ ;; esac) \
  && apt-get clean && rm -rf /var/lib/apt/lists/*
 ENV VIRTUAL_ENV=/opt/cy-llm/venv \
     PATH=/opt/cy-llm/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
@@ -104,7 +107,8 @@ ENV HF_HUB_OFFLINE=1 \
     CYLLM_MODEL=${EMBEDDED_MODEL} \
     CYLLM_CACHE_DIR=/opt/cy-llm/models \
     CYLLM_SOCKET=/run/cy-llm/worker.sock \
-    CYLLM_ADAPTERS__KB_DIR=/var/cache/cy-llm/kb
+    CYLLM_ADAPTERS__KB_DIR=/var/cache/cy-llm/kb \
+    CYLLM_ENGINE__KERNEL_DIR=/var/cache/cy-llm/kernels
 # Ready: the model is loaded and the worker is making progress (grpc.health.v1 over its socket).
 HEALTHCHECK --interval=10s --timeout=5s --start-period=180s --retries=3 CMD ["cy-llm", "health", "--ready"]
 CMD ["cy-llm", "serve"]

@@ -3,11 +3,13 @@ tokens one by one and batched, same logits, and the same tokens when the KV cach
 sequences are preempted and recomputed."""
 
 import asyncio
+import shutil
 
 import pytest
 import torch
 
 from worker.config import load_config
+from worker.engines.native import kernels
 from worker.engines.native.engine import NativeEngine
 from worker.engines.native.model import Batch, load_model
 from worker.request import GenerationRequest, SamplingParams
@@ -73,10 +75,14 @@ def test_one_step_logits_match(hf_reference, embedded_model):
     torch.testing.assert_close(model(batch, k, v)[0], reference, atol=1e-3, rtol=1e-4)
 
 
-async def test_greedy_tokens_match_hf_one_by_one_and_batched(hf_reference, embedded_model):
+@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["cpu-kernels", "torch-paths"])
+async def test_greedy_tokens_match_hf_one_by_one_and_batched(hf_reference, embedded_model, cpu_kernels, monkeypatch):
     _, prompts, expected = hf_reference
-    engine = engine_for(embedded_model)
+    if not cpu_kernels:  # the paths of a machine without a C++ compiler
+        monkeypatch.setattr(kernels, "_loaded", False)
+    engine = engine_for(embedded_model, **({} if cpu_kernels else {"engine.kernel_dir": ""}))
     await engine.load_model()
+    assert kernels.loaded() == cpu_kernels or not shutil.which("c++")
     try:
         assert await generate(engine, prompts, together=False) == expected
         assert await generate(engine, prompts, together=True) == expected

@@ -85,6 +85,9 @@ class EngineConfig:
     """Context limit in tokens; 0 takes the model's own."""
     args: dict[str, Any] = field(default_factory=dict)
     """Engine-specific arguments, passed through to the engine and checked there."""
+    kernel_dir: str = ""
+    """Where the native engine compiles its CPU kernels (once per torch version and CPU model);
+    empty: none are built and its plain torch paths run."""
     use_preset: bool = True
     """Apply the dependency registry's preset for the detected (hardware, engine) to whatever
     this config leaves unset."""
@@ -207,6 +210,7 @@ def default_paths(env: Mapping[str, str]) -> dict[str, str]:
         "server.socket": str(runtime / "worker.sock"),
         "models.cache_dir": str(Path(cache) / "cy-llm" / "models"),
         "adapters.kb_dir": str(Path(cache) / "cy-llm" / "kb"),
+        "engine.kernel_dir": str(Path(cache) / "cy-llm" / "kernels"),
     }
 
 

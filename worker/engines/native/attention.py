@@ -8,6 +8,7 @@ Caches are (slots, kv_heads, head_dim) per layer, slot = block * block_size + of
   that walks the block table (one program per sequence and KV head, all the query heads of that KV
   head together, online softmax; at small batches one per part of each context, the parts combined
   by the last part to finish), which also runs inside a CUDA graph; elsewhere a batched gather of blocks.
+  On CPUs the C++ kernel of kernels.py once built, which reads the blocks in place.
   A step that mixes both runs each on its own rows.
 """
 
@@ -15,6 +16,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from worker.engines.native import kernels
 
 try:
     import triton
@@ -80,6 +83,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     `gather`: decode_gather(tables, lens, block_size), made once for a step's layers (no padding rows)."""
     if q.is_cuda and triton is not None:
         return _decode_triton(q, k_cache, v_cache, tables, lens, block_size)
+    if q.device.type == "cpu" and kernels.loaded():
+        return kernels.paged_decode(q, k_cache, v_cache, tables, lens, block_size)
     if gather is not None:
         return _decode_gather(q, k_cache, v_cache, block_size, *gather)
     return gather_attention(q, k_cache, v_cache, tables, lens, block_size)

@@ -21,6 +21,7 @@ import torch
 from worker.config import ConfigError
 from worker.engines.base import ModelInfo, RequestStream
 from worker.engines.detokenizer import OutputText
+from worker.engines.native import kernels as cpu_kernels
 from worker.engines.native.block_manager import BlockManager
 from worker.engines.native.model import Batch, load_model
 from worker.engines.native.sequence import Sequence, Step
@@ -87,6 +88,10 @@ class NativeEngine(ThreadedEngine):
             raise ConfigError("engine.args.quantization", f"int4 runs on CPU; the device is {self.device}")
         dtype = DTYPES.get(engine.dtype) or (
             torch.bfloat16 if self.device.type == "cuda" or self.quantization == "int4" else torch.float32)
+        kernels = cpu_kernels.load(engine.kernel_dir) if self.device.type == "cpu" else None
+        if kernels and kernels.startswith("not built"):
+            log.warning("CPU kernels not built; decode attention runs the torch path", reason=kernels,
+                        kernel_dir=engine.kernel_dir)
         cores = len(os.sched_getaffinity(0))
         torch.set_num_threads(cores)  # packing the weights for oneDNN (CPU) takes most of the load
         try:
@@ -127,7 +132,7 @@ class NativeEngine(ThreadedEngine):
         )
         log.info("native engine ready", folder=str(folder), device=str(self.device), dtype=str(dtype),
                  kv_blocks=num_blocks, block_size=block_size, budget_tokens=num_blocks * block_size,
-                 cuda_graphs=self.graphs.sizes if self.graphs else None)
+                 cuda_graphs=self.graphs.sizes if self.graphs else None, cpu_kernels=kernels)
 
     def _kv_memory(self) -> int:
         weights = self.model.weight_bytes()

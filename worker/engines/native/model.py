@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from worker.engines.native import kernels
 from worker.engines.native.attention import decode_attention, decode_gather, prefill_attention, rope_and_store
 from worker.engines.native.elementwise import Elementwise
 from worker.engines.native.gemv import RowLinear, triton
@@ -84,7 +85,7 @@ class Batch:
     decode_index: torch.Tensor | None = None  # (N,) rows of T that are one-token decodes; None: all of T
     decode_tables: torch.Tensor | None = None  # (N, max_blocks) int32, zero-padded
     decode_lens: torch.Tensor | None = None  # (N,) int32 context lengths
-    decode_gather: tuple[torch.Tensor, torch.Tensor] | None = None  # without Triton: see attention.decode_gather
+    decode_gather: tuple[torch.Tensor, torch.Tensor] | None = None  # without Triton or CPU kernels: see attention.decode_gather
 
     def prepare(self) -> Batch:
         """Per-step index work, done once here rather than in every layer."""
@@ -112,7 +113,8 @@ class Batch:
             tables = [self.block_tables[i] + [0] * (width - len(self.block_tables[i])) for i in decodes]
             self.decode_tables = torch.tensor(tables, dtype=torch.int32, device=device)
             self.decode_lens = torch.tensor([self.context_lens[i] for i in decodes], dtype=torch.int32, device=device)
-            if device.type != "cuda" or triton is None:
+            in_place = (device.type == "cuda" and triton is not None) or (device.type == "cpu" and kernels.loaded())
+            if not in_place:
                 self.decode_gather = decode_gather(self.decode_tables, self.decode_lens, self.block_size)
             if len(decodes) < len(self.query_lens):
                 rows = torch.tensor(self.query_lens, device=device).cumsum(0) - 1

@@ -1,0 +1,59 @@
+"""The native engine's C++ CPU kernels (worker/engines/native/csrc/) against the torch paths they
+replace, and what the engine does where they cannot be built."""
+
+import shutil
+
+import pytest
+import torch
+
+from worker.config import load_config
+from worker.engines.native import kernels
+from worker.engines.native.attention import decode_attention, gather_attention
+
+pytestmark = pytest.mark.skipif(not shutil.which("c++"), reason="no C++ compiler: the kernels cannot be built here")
+
+
+@pytest.fixture(scope="module")
+def built():
+    # The folder the engine tests' configs name, so one build serves the whole run.
+    assert kernels.load(load_config(None, {"HOME": "/tmp"}).engine.kernel_dir) == "built"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (8, 8, 128), (4, 2, 48)],
+                         ids=["smollm2", "mha-128", "odd-dim"])  # 48: the plain loops, not the AVX-512 path
+def test_paged_decode_matches_the_gather_path(built, dtype, heads, kv_heads, dim):
+    torch.manual_seed(0)
+    block_size, blocks = 16, 128
+    k = torch.randn(blocks * block_size, kv_heads, dim, dtype=dtype)
+    v = torch.randn_like(k)
+    lens = torch.tensor([1, 15, 16, 17, 0, 300, 700], dtype=torch.int32)  # 0: a padding row, all zeros
+    tables = torch.stack([torch.randperm(blocks)[:48] for _ in lens]).to(torch.int32)
+    q = torch.randn(len(lens), heads, dim, dtype=dtype)
+    # Scores far apart too: the softmax's exponent must hold over a wide range.
+    q[5] *= 30
+    expected = gather_attention(q, k, v, tables, lens, block_size)
+    out = decode_attention(q, k, v, tables, lens, block_size)
+    tolerance = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out, expected, atol=tolerance, rtol=tolerance)
+    assert not out[4].any()
+
+
+def test_paged_decode_reads_a_transposed_query(built):
+    """rope_and_store hands decode a view of q (split from one rotation of q and k)."""
+    torch.manual_seed(1)
+    k = torch.randn(64, 3, 64)
+    v = torch.randn_like(k)
+    q = torch.randn(2, 64, 12).transpose(1, 2)[:, :9]  # (2, 9, 64), not contiguous
+    tables, lens = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32), torch.tensor([20, 32], dtype=torch.int32)
+    torch.testing.assert_close(kernels.paged_decode(q, k, v, tables, lens, 16), gather_attention(q, k, v, tables, lens, 16))
+
+
+def test_a_folder_that_cannot_be_written_says_why_and_leaves_the_torch_paths(tmp_path, monkeypatch):
+    monkeypatch.setattr(kernels, "_loaded", False)
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    status = kernels.load(str(blocked / "kernels"))
+    assert status.startswith("not built: ") and "file" in status
+    assert not kernels.loaded()
+    assert kernels.load("") == "off: engine.kernel_dir is empty"

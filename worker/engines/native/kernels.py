@@ -1,0 +1,68 @@
+"""The native engine's C++ kernels for CPUs (csrc/), compiled on first use for the CPU that runs them.
+
+torch's cpp_extension builds them with the machine's C++ compiler and ninja (~10 s on 2 cores) into
+`engine.kernel_dir`, one folder per torch version and CPU: `-march=native` ties the binary to the CPU,
+and a cache folder may be shared by several machines (a volume, a home directory on NFS). Later
+starts load the built library in milliseconds. Where nothing can be built (no compiler), the engine
+runs the plain torch paths of attention.py, which give the same tokens more slowly.
+
+- torch.ops.cyllm.paged_decode(q, k_cache, v_cache, tables, lens, block_size, scale): decode
+  attention read in place from the paged cache (csrc/cpu_attention.cpp).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import platform
+from pathlib import Path
+
+import torch
+
+SOURCES = [Path(__file__).parent / "csrc" / "cpu_attention.cpp"]
+_loaded = False
+
+
+def load(kernel_dir: str) -> str:
+    """Builds (or finds built) and registers torch.ops.cyllm.*: "built", or why not (no compiler,
+    no ninja, a build error: its last line)."""
+    global _loaded
+    if _loaded:
+        return "built"
+    if not kernel_dir:
+        return "off: engine.kernel_dir is empty"
+    try:
+        from torch.utils.cpp_extension import load as build
+
+        folder = Path(kernel_dir) / f"torch-{torch.__version__}-{_cpu_key()}"
+        folder.mkdir(parents=True, exist_ok=True)
+        # -fopenmp: at::parallel_for is inline OpenMP code; the library then uses the libgomp torch loaded.
+        build(name="cyllm_cpu", sources=[str(s) for s in SOURCES], build_directory=str(folder),
+              is_python_module=False, extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
+    except (RuntimeError, OSError, ImportError) as exc:
+        lines = str(exc).strip().splitlines()
+        return f"not built: {lines[-1] if lines else type(exc).__name__}"
+    _loaded = True
+    return "built"
+
+
+def loaded() -> bool:
+    return _loaded
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+                 lens: torch.Tensor, block_size: int) -> torch.Tensor:
+    """attention.decode_attention's contract: q (B, H, D); tables (B, max_blocks) int32; lens (B,)."""
+    return torch.ops.cyllm.paged_decode(q.contiguous(), k_cache, v_cache, tables, lens.to(torch.int32), block_size,
+                                        q.shape[-1] ** -0.5)
+
+
+def _cpu_key() -> str:
+    """A digest of the CPU's model and instruction-set flags."""
+    described = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as info:
+            lines = info.read().split("\n\n")[0].splitlines()
+        described += "".join(line for line in lines if line.startswith(("model name", "flags")))
+    except OSError:
+        described += platform.processor()
+    return hashlib.sha256(described.encode()).hexdigest()[:12]
