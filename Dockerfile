@@ -72,9 +72,9 @@ ARG PIP_FIND_LINKS
 ARG PIP_CERT
 # On CPUs the native engine compiles its C++ kernels on first start for the CPU it runs on
 # (engine.kernel_dir, below), so the CPU image carries a C++ compiler.
-RUN apt-get update \
- && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends python3 python3-venv \
-      $(case "$HARDWARE" in cpu*) echo g++ ;; esac) \
+RUN compiler="" && case "$HARDWARE" in cpu*) compiler=g++ ;; esac \
+ && apt-get update \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends python3 python3-venv ${compiler:+"$compiler"} \
  && apt-get clean && rm -rf /var/lib/apt/lists/*
 ENV VIRTUAL_ENV=/opt/cy-llm/venv \
     PATH=/opt/cy-llm/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \

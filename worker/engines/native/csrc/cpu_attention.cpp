@@ -149,8 +149,18 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   TORCH_CHECK(tables.scalar_type() == at::kInt && lens.scalar_type() == at::kInt, "tables and lens in int32");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(), "one dtype");
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0 && q.size(2) == k_cache.size(2), "heads a multiple of kv_heads, one head size");
-  auto out = at::empty_like(q);
   const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k_cache.size(1), width = tables.size(1);
+  TORCH_CHECK(tables.size(0) == batch && lens.numel() == batch, "a table and a length per sequence");
+  // Every block read must be in the cache: checked here, where an error can still be raised.
+  const int64_t num_blocks = k_cache.size(0) / block_size;
+  const int32_t* table = tables.data_ptr<int32_t>();
+  const int32_t* len = lens.data_ptr<int32_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(len[b] <= width * block_size, "sequence ", b, ": ", len[b], " tokens, a table of ", width, " blocks");
+    for (int64_t j = 0; j * block_size < len[b]; ++j)
+      TORCH_CHECK(table[b * width + j] >= 0 && table[b * width + j] < num_blocks, "block ", table[b * width + j], " is outside the cache");
+  }
+  auto out = at::empty_like(q);
   if (q.scalar_type() == at::kBFloat16) {
     decode<c10::BFloat16>(q.data_ptr<c10::BFloat16>(), k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(),
                           tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), out.data_ptr<c10::BFloat16>(), batch,
