@@ -66,3 +66,21 @@ def test_paged_decode_refuses_a_table_that_points_outside_the_cache(built):
         kernels.paged_decode(q, k, k, torch.tensor([[0, 4]], dtype=torch.int32), torch.tensor([20], dtype=torch.int32), 16)
     with pytest.raises(RuntimeError, match="a table of 2 blocks"):
         kernels.paged_decode(q, k, k, torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([33], dtype=torch.int32), 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_matches_the_torch_path(built, dtype):
+    from worker.engines.native.elementwise import add_rms_norm, rms_norm
+
+    torch.manual_seed(2)
+    x, residual = torch.randn(2, 7, 576, dtype=dtype).unbind()
+    weight = torch.randn(576, dtype=dtype)
+    total, out = kernels.add_rms_norm(x, residual, weight, 1e-5)
+    expected_total, expected = add_rms_norm(x, residual, weight, 1e-5)
+    torch.testing.assert_close(total, expected_total, atol=0, rtol=0)  # one rounding of the same sum
+    # fp32: the sum of squares in another order, an ulp or so; bf16: the same roundings as HF's.
+    tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 1e-2}
+    torch.testing.assert_close(out, expected, **tolerance)
+    first_total, first = kernels.add_rms_norm(x, None, weight, 1e-5)  # the first layer: no residual yet
+    assert first_total.data_ptr() == x.data_ptr()
+    torch.testing.assert_close(first, rms_norm(x, weight, 1e-5), **tolerance)

@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from worker.engines.native import kernels
+
 try:
     import triton
     import triton.language as tl
@@ -66,8 +68,9 @@ def _silu_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 class Elementwise:
-    """The functions a model's layers call: torch's everywhere, Triton's once `use_triton()` (CUDA).
-    Inputs are (tokens, features) with a unit stride in the features."""
+    """The functions a model's layers call: torch's everywhere, Triton's once `use_triton()` (CUDA),
+    the C++ norm once `use_cpu_kernels()` (kernels.py). Inputs are (tokens, features) with a unit
+    stride in the features."""
 
     def __init__(self):
         self.rms_norm, self.add_rms_norm, self.rotate, self.silu_and_mul = rms_norm, add_rms_norm, rotate, silu_and_mul
@@ -78,6 +81,10 @@ class Elementwise:
         self.rms_norm = lambda x, weight, eps: _norm_triton(x, None, weight, eps)[1]
         self.add_rms_norm = _norm_triton
         self.silu_and_mul = _silu_and_mul_triton
+
+    def use_cpu_kernels(self) -> None:
+        self.rms_norm = lambda x, weight, eps: kernels.add_rms_norm(x, None, weight, eps)[1]
+        self.add_rms_norm = kernels.add_rms_norm
 
 
 if triton is not None:

@@ -9,6 +9,8 @@ runs the plain torch paths of attention.py, which give the same tokens more slow
 
 - torch.ops.cyllm.paged_decode(q, k_cache, v_cache, tables, lens, block_size, scale): decode
   attention read in place from the paged cache (csrc/cpu_attention.cpp).
+- torch.ops.cyllm.add_rms_norm(x, residual, weight, eps): the residual add and RMS norm of every
+  layer in one pass (csrc/cpu_norm.cpp).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).parent / "csrc" / "cpu_attention.cpp"]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_attention.cpp", "cpu_norm.cpp")]
 _loaded = False
 
 
@@ -55,6 +57,12 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     """attention.decode_attention's contract: q (B, H, D); tables (B, max_blocks) int32; lens (B,)."""
     return torch.ops.cyllm.paged_decode(q.contiguous(), k_cache, v_cache, tables, lens.to(torch.int32), block_size,
                                         q.shape[-1] ** -0.5)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """elementwise.add_rms_norm's contract (x + residual, its norm); residual None: (x, norm of x)."""
+    return torch.ops.cyllm.add_rms_norm(x, residual, weight, eps)
 
 
 def _build_key() -> str:

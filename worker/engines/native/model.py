@@ -281,6 +281,8 @@ def load_model(folder: Path, dtype: torch.dtype, device: torch.device, quantizat
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model = model.to(device).eval()
+    if device.type == "cpu" and kernels.loaded():
+        model.ops.use_cpu_kernels()
     if device.type == "cuda" and triton is not None:
         model.ops.use_triton()
         wrap_linears(model, RowLinear)
