@@ -84,3 +84,24 @@ def test_add_rms_norm_matches_the_torch_path(built, dtype):
     first_total, first = kernels.add_rms_norm(x, None, weight, 1e-5)  # the first layer: no residual yet
     assert first_total.data_ptr() == x.data_ptr()
     torch.testing.assert_close(first, rms_norm(x, weight, 1e-5), **tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_and_store_matches_the_torch_path(built, dtype, monkeypatch):
+    from worker.engines.native.attention import rope_and_store
+    from worker.engines.native.elementwise import rotate
+
+    torch.manual_seed(3)
+    tokens, heads, kv_heads, dim = 5, 9, 3, 64
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, dtype=dtype)  # q, k and v are views of one row, as in the model
+    q, k, v = (part.reshape(tokens, -1, dim) for part in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], 1))
+    angles = torch.randn(tokens, 1, dim // 2) * 100
+    cos, sin = (torch.cat((f(angles), f(angles)), -1).to(dtype) for f in (torch.cos, torch.sin))
+    slots = torch.tensor([3, 17, 18, 40, 63])
+    caches = [torch.zeros(64, kv_heads, dim, dtype=dtype) for _ in range(4)]
+    q_out, k_out = rope_and_store(q, k, v, cos, sin, caches[0], caches[1], slots, rotate)
+    monkeypatch.setattr(kernels, "_loaded", False)
+    q_ref, k_ref = rope_and_store(q, k, v, cos, sin, caches[2], caches[3], slots, rotate)
+    for out, expected in ((q_out, q_ref), (k_out, k_ref), (caches[0], caches[2]), (caches[1], caches[3])):
+        torch.testing.assert_close(out, expected, atol=0, rtol=0)  # the same roundings, to the bit
+    assert caches[0][slots].any() and not caches[0][[0, 1, 2]].any()

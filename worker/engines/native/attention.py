@@ -37,7 +37,7 @@ def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
     """Rotary embedding of q and k, and k and v written to the caches at `slots`. q (T, H, D), k and
     v (T, kv_heads, D), each with a unit stride in D; cos, sin (T, 1, D). Returns q and k rotated.
     On CUDA one Triton kernel: as four kernels (two rotations, two index copies) it was 8% of a
-    batch-1 decode step of the Llama-1B shape."""
+    batch-1 decode step of the Llama-1B shape; on CPUs the C++ one of kernels.py once built."""
     if q.is_cuda and triton is not None:
         tokens, heads, dim = q.shape
         kv_heads = k.shape[1]
@@ -49,6 +49,8 @@ def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
             k_cache.stride(0), k_cache.stride(1), HEADS=heads, KV_HEADS=kv_heads,
             HEADS_PAD=triton.next_power_of_2(heads), KV_PAD=triton.next_power_of_2(kv_heads), HALF=dim // 2)
         return q_out, k_out
+    if q.device.type == "cpu" and kernels.loaded():
+        return kernels.rope_and_store(q, k, v, cos, sin, k_cache, v_cache, slots)
     heads = q.shape[1]
     q, k = rotate(torch.cat((q, k), 1), cos, sin).split([heads, k.shape[1]], 1)  # one rotation: fewer calls
     k_cache.index_copy_(0, slots, k)

@@ -11,6 +11,8 @@ runs the plain torch paths of attention.py, which give the same tokens more slow
   attention read in place from the paged cache (csrc/cpu_attention.cpp).
 - torch.ops.cyllm.add_rms_norm(x, residual, weight, eps): the residual add and RMS norm of every
   layer in one pass (csrc/cpu_norm.cpp).
+- torch.ops.cyllm.rope_and_store(q, k, v, cos, sin, k_cache, v_cache, slots): rotary embedding of q
+  and k and the cache writes of k and v (csrc/cpu_rope.cpp).
 """
 
 from __future__ import annotations
@@ -21,13 +23,13 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_attention.cpp", "cpu_norm.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_attention.cpp", "cpu_norm.cpp", "cpu_rope.cpp")]
 _loaded = False
 
 
 def load(kernel_dir: str) -> str:
     """Builds (or finds built) and registers torch.ops.cyllm.*: "built", or why not (no compiler,
-    no ninja, a build error: its last line)."""
+    no ninja, a build error: its first line that says error)."""
     global _loaded
     if _loaded:
         return "built"
@@ -39,11 +41,13 @@ def load(kernel_dir: str) -> str:
         folder = Path(kernel_dir) / f"torch-{torch.__version__}-{_build_key()}"
         folder.mkdir(parents=True, exist_ok=True)
         # -fopenmp: at::parallel_for is inline OpenMP code; the library then uses the libgomp torch loaded.
-        build(name="cyllm_cpu", sources=[str(s) for s in SOURCES], build_directory=str(folder),
-              is_python_module=False, extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
+        # -ffp-contract=off: a * b + c stays two roundings, as in torch's ops (intrinsics still fuse).
+        build(name="cyllm_cpu", sources=[str(s) for s in SOURCES], build_directory=str(folder), is_python_module=False,
+              extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"])
     except (RuntimeError, OSError, ImportError) as exc:
         lines = str(exc).strip().splitlines()
-        return f"not built: {lines[-1] if lines else type(exc).__name__}"
+        errors = [line.strip() for line in lines if "error" in line.lower()]  # a compiler's first error says most
+        return f"not built: {(errors or lines or [type(exc).__name__])[0]}"
     _loaded = True
     return "built"
 
@@ -63,6 +67,14 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """elementwise.add_rms_norm's contract (x + residual, its norm); residual None: (x, norm of x)."""
     return torch.ops.cyllm.add_rms_norm(x, residual, weight, eps)
+
+
+def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """attention.rope_and_store's contract; cos and sin (T, 1, D)."""
+    tokens, dim = q.shape[0], q.shape[-1]
+    return torch.ops.cyllm.rope_and_store(q, k, v, cos.reshape(tokens, dim), sin.reshape(tokens, dim), k_cache, v_cache,
+                                          slots)
 
 
 def _build_key() -> str:
