@@ -156,9 +156,9 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   const int32_t* table = tables.data_ptr<int32_t>();
   const int32_t* len = lens.data_ptr<int32_t>();
   for (int64_t b = 0; b < batch; ++b) {
-    TORCH_CHECK(len[b] <= width * block_size, "sequence ", b, ": ", len[b], " tokens, a table of ", width, " blocks");
+    TORCH_CHECK(len[b] <= width * block_size, "a context longer than its block table");
     for (int64_t j = 0; j * block_size < len[b]; ++j)
-      TORCH_CHECK(table[b * width + j] >= 0 && table[b * width + j] < num_blocks, "block ", table[b * width + j], " is outside the cache");
+      TORCH_CHECK(table[b * width + j] >= 0 && table[b * width + j] < num_blocks, "a block outside the cache");
   }
   auto out = at::empty_like(q);
   if (q.scalar_type() == at::kBFloat16) {

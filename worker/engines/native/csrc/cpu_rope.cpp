@@ -77,7 +77,7 @@ std::tuple<at::Tensor, at::Tensor> rope_and_store(const at::Tensor& q, const at:
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == q.size(0), "a slot per token, int64");
   const int64_t* slot = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < slots.numel(); ++t)
-    TORCH_CHECK(slot[t] >= 0 && slot[t] < k_cache.size(0), "slot ", slot[t], " is outside the cache");
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < k_cache.size(0), "a slot outside the cache");
   auto q_out = at::empty(q.sizes(), q.options());
   auto k_out = at::empty(k.sizes(), k.options());
   if (q.scalar_type() == at::kBFloat16) {
