@@ -86,8 +86,8 @@ class EngineConfig:
     args: dict[str, Any] = field(default_factory=dict)
     """Engine-specific arguments, passed through to the engine and checked there."""
     kernel_dir: str = ""
-    """Where the native engine compiles its CPU kernels (once per torch version and CPU model);
-    empty: none are built and its plain torch paths run."""
+    """Where the native engine compiles its CPU kernels (once per torch version, CPU model and
+    source); empty: none are built and its plain torch paths run."""
     use_preset: bool = True
     """Apply the dependency registry's preset for the detected (hardware, engine) to whatever
     this config leaves unset."""
