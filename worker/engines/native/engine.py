@@ -90,7 +90,7 @@ class NativeEngine(ThreadedEngine):
             torch.bfloat16 if self.device.type == "cuda" or self.quantization == "int4" else torch.float32)
         kernels = cpu_kernels.load(engine.kernel_dir) if self.device.type == "cpu" else None
         if kernels and kernels.startswith("not built"):
-            log.warning("CPU kernels not built; decode attention runs the torch path", reason=kernels,
+            log.warning("CPU kernels not built; the torch paths run instead", reason=kernels,
                         kernel_dir=engine.kernel_dir)
         cores = len(os.sched_getaffinity(0))
         torch.set_num_threads(cores)  # packing the weights for oneDNN (CPU) takes most of the load

@@ -21,9 +21,6 @@
 
 namespace {
 
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
-
 #ifdef __AVX512F__
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) {  // bf16 is the top half of an fp32
@@ -91,7 +88,7 @@ void head_any(const float* q, const T* const* rows_k, const T* const* rows_v, in
   float m = -INFINITY;
   for (int64_t t = 0; t < n; ++t) {
     float s = 0.f;
-    for (int64_t d = 0; d < dim; ++d) s += q[d] * to_float(rows_k[t][d]);
+    for (int64_t d = 0; d < dim; ++d) s += q[d] * static_cast<float>(rows_k[t][d]);
     scores[t] = s;
     m = std::max(m, s);
   }
@@ -99,7 +96,7 @@ void head_any(const float* q, const T* const* rows_k, const T* const* rows_v, in
   for (int64_t t = 0; t < n; ++t) sum += scores[t] = std::exp(scores[t] - m);
   std::fill(out, out + dim, 0.f);
   for (int64_t t = 0; t < n; ++t)
-    for (int64_t d = 0; d < dim; ++d) out[d] += scores[t] * to_float(rows_v[t][d]);
+    for (int64_t d = 0; d < dim; ++d) out[d] += scores[t] * static_cast<float>(rows_v[t][d]);
   for (int64_t d = 0; d < dim; ++d) out[d] /= sum;
 }
 
@@ -128,7 +125,7 @@ void decode(const T* q, const T* k_cache, const T* v_cache, const int32_t* table
           rows_v[t + i] = v_cache + first + i * stride;
         }
       }
-      for (int64_t d = 0; d < dim; ++d) qf[d] = to_float(q[item * dim + d]) * scale;
+      for (int64_t d = 0; d < dim; ++d) qf[d] = static_cast<float>(q[item * dim + d]) * scale;
 #ifdef __AVX512F__
       if (dim == 64)
         head16<T, 4>(qf.data(), rows_k.data(), rows_v.data(), n, scores.data(), of.data());

@@ -15,20 +15,16 @@
 
 namespace {
 
-template <typename T>
-inline T rounded(float x) {
-  return T(x);
-}
-
-// One head of D values: out = x * cos + rotate_half(x) * sin, rotate_half(x) = (-x[half:], x[:half]).
+// One head of D values: out = x * cos + rotate_half(x) * sin, rotate_half(x) = (-x[half:], x[:half]);
+// T(...) rounds to the dtype (nothing for fp32).
 template <typename T>
 inline void rotate(const T* x, const T* cos, const T* sin, T* out, int64_t dim) {
   const int64_t half = dim / 2;
   for (int64_t d = 0; d < dim; ++d) {
     const float turned = d < half ? -static_cast<float>(x[d + half]) : static_cast<float>(x[d - half]);
-    const float a = static_cast<float>(rounded<T>(static_cast<float>(x[d]) * static_cast<float>(cos[d])));
-    const float b = static_cast<float>(rounded<T>(turned * static_cast<float>(sin[d])));
-    out[d] = rounded<T>(a + b);
+    const float a = static_cast<float>(T(static_cast<float>(x[d]) * static_cast<float>(cos[d])));
+    const float b = static_cast<float>(T(turned * static_cast<float>(sin[d])));
+    out[d] = T(a + b);
   }
 }
 
