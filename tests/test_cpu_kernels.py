@@ -105,3 +105,64 @@ def test_rope_and_store_matches_the_torch_path(built, dtype, monkeypatch):
     for out, expected in ((q_out, q_ref), (k_out, k_ref), (caches[0], caches[2]), (caches[1], caches[3])):
         torch.testing.assert_close(out, expected, atol=0, rtol=0)  # the same roundings, to the bit
     assert caches[0][slots].any() and not caches[0][[0, 1, 2]].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_matches_the_torch_path(built, dtype):
+    from worker.engines.native.elementwise import silu_and_mul
+
+    torch.manual_seed(4)
+    size = 1000  # not a multiple of 16: the tail runs the plain loop
+    wide = torch.randn(6, 2 * size + 24, dtype=dtype) * 4
+    wide[0, :3] = torch.tensor([-100.0, 100.0, 0.0])
+    gate_up = wide[:, :2 * size]  # rows further apart than their width
+    # fp32: another exp than torch's, within a few ulps; bf16: the same rounding points, so at most
+    # an ulp apart where the two exps straddle one.
+    tolerance = {"atol": 1e-6, "rtol": 1e-6} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 8e-3}
+    torch.testing.assert_close(kernels.silu_and_mul(gate_up), silu_and_mul(gate_up), **tolerance)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2(tmp_path_factory):
+    """A random 2-layer Qwen2 (biases on q, k and v) saved as an HF folder."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    folder = tmp_path_factory.mktemp("tiny-qwen2")
+    config = Qwen2Config(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024)
+    torch.manual_seed(5)
+    Qwen2ForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("variant", ["fp32", "bf16", "bf16-int4", "qwen2-bias"])
+def test_decode_layers_match_the_layer_by_layer_path(built, variant, embedded_model, tiny_qwen2):
+    """An all-decode step through kernels.decode_layers gives the logits and cache writes of the
+    model's layers run one by one, to the bit: the same kernels in the same order."""
+    from worker.engines.native.model import Batch, load_model
+
+    folder = tiny_qwen2 if variant == "qwen2-bias" else embedded_model
+    dtype = torch.bfloat16 if variant.startswith("bf16") else torch.float32
+    model = load_model(folder, dtype, torch.device("cpu"), "int4" if variant.endswith("int4") else "none")
+    assert model.decode_weights is not None
+    c, block_size = model.config, 16
+    torch.manual_seed(6)
+    caches = torch.randn(2, c.num_layers, 64 * block_size, c.num_kv_heads, c.head_dim).to(dtype)
+    contexts = [1, 17, 200]
+    tables = torch.randperm(64)[:3 * 13].view(3, 13).tolist()
+    slots = [tables[i][(n - 1) // block_size] * block_size + (n - 1) % block_size for i, n in enumerate(contexts)]
+
+    def step(k, v):
+        batch = Batch(torch.tensor([5, 77, 300]), torch.tensor(contexts) - 1, torch.tensor(slots), [1, 1, 1], contexts,
+                      tables, torch.arange(3), block_size)
+        return model(batch, k, v)
+
+    k, v = caches.clone()
+    logits = step(k, v)
+    stacked, model.decode_weights = model.decode_weights, None
+    k_ref, v_ref = caches.clone()
+    expected = step(k_ref, v_ref)
+    assert stacked is not None
+    torch.testing.assert_close(logits, expected, atol=0, rtol=0)
+    torch.testing.assert_close((k, v), (k_ref, v_ref), atol=0, rtol=0)
+    assert not torch.equal(k, caches[0])

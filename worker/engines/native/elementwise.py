@@ -69,7 +69,7 @@ def _silu_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
 
 class Elementwise:
     """The functions a model's layers call: torch's everywhere, Triton's once `use_triton()` (CUDA),
-    the C++ norm once `use_cpu_kernels()` (kernels.py). Inputs are (tokens, features) with a unit
+    the C++ norm and SiLU once `use_cpu_kernels()` (kernels.py). Inputs are (tokens, features) with a unit
     stride in the features."""
 
     def __init__(self):
@@ -85,6 +85,7 @@ class Elementwise:
     def use_cpu_kernels(self) -> None:
         self.rms_norm = lambda x, weight, eps: kernels.add_rms_norm(x, None, weight, eps)[1]
         self.add_rms_norm = kernels.add_rms_norm
+        self.silu_and_mul = kernels.silu_and_mul
 
 
 if triton is not None:

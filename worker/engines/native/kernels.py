@@ -5,7 +5,7 @@ torch's cpp_extension builds them with the machine's C++ compiler and ninja (~10
 the CPU, and a cache folder may be shared by several machines (a volume, a home directory on NFS) or
 by two versions of cy-llm, which would otherwise rebuild over each other's library. Later starts
 load the built library in milliseconds. Where nothing can be built (no compiler), the engine
-runs the plain torch paths of attention.py and elementwise.py, which give the same greedy tokens
+runs the plain torch paths of attention.py and elementwise.py, layer by layer from model.py, which give the same greedy tokens
 (tests/test_native_engine.py runs both against HF) more slowly.
 
 - torch.ops.cyllm.paged_decode(q, k_cache, v_cache, tables, lens, block_size, scale): decode
@@ -14,17 +14,23 @@ runs the plain torch paths of attention.py and elementwise.py, which give the sa
   layer in one pass (csrc/cpu_norm.cpp).
 - torch.ops.cyllm.rope_and_store(q, k, v, cos, sin, k_cache, v_cache, slots): rotary embedding of q
   and k and the cache writes of k and v (csrc/cpu_rope.cpp).
+- torch.ops.cyllm.silu_and_mul(gate_up): the MLP's activation (csrc/cpu_activation.cpp).
+- torch.ops.cyllm.decode_layers(...): every decoder layer of an all-decode step in one call, out of
+  the kernels above and the linear layers' ops (csrc/cpu_decoder.cpp).
 """
 
 from __future__ import annotations
 
 import hashlib
 import platform
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_attention.cpp", "cpu_norm.cpp", "cpu_rope.cpp")]
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / f"cpu_{name}.cpp" for name in ("attention", "norm", "rope", "activation", "decoder")]
+HEADERS = [CSRC / "ops.h", CSRC / "vec.h"]
 _loaded = False
 
 
@@ -78,6 +84,35 @@ def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
                                           slots)
 
 
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """elementwise.silu_and_mul's contract: gate_up (T, 2I) -> (T, I)."""
+    return torch.ops.cyllm.silu_and_mul(gate_up)
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """What decode_layers reads of a model's decoder layers, gathered once at load."""
+
+    norms: list[torch.Tensor]  # 2 a layer: input, post-attention
+    weights: list[torch.Tensor]  # 4 a layer (qkv, o, gate_up, down), as linear.py's layers keep them
+    scales: list[torch.Tensor | None]  # Int4Linear's scales; None: a PackedLinear
+    biases: list[torch.Tensor | None]
+    heads: int
+    eps: float
+    group: int  # inputs per int4 scale
+
+
+def decode_layers(x: torch.Tensor, layers: LayerWeights, k_caches: torch.Tensor, v_caches: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
+                  block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decoder layers of a step whose T tokens are all decodes: x (T, hidden) embedded; cos and
+    sin (T, 1, D); caches (layers, slots, kv_heads, D). Returns (last MLP output, residual)."""
+    tokens, dim = x.shape[0], k_caches.shape[-1]
+    return torch.ops.cyllm.decode_layers(x, layers.norms, layers.weights, layers.scales, layers.biases, k_caches,
+                                         v_caches, cos.reshape(tokens, dim), sin.reshape(tokens, dim), slots, tables,
+                                         lens, layers.heads, block_size, layers.eps, layers.group)
+
+
 def _build_key() -> str:
     """A digest of the CPU's model and instruction-set flags and of the sources."""
     described = platform.machine()
@@ -88,6 +123,6 @@ def _build_key() -> str:
     except OSError:
         described += platform.processor()
     digest = hashlib.sha256(described.encode())
-    for source in SOURCES:
+    for source in SOURCES + HEADERS:
         digest.update(source.read_bytes())
     return digest.hexdigest()[:12]

@@ -18,7 +18,7 @@ from worker.engines.native import kernels
 from worker.engines.native.attention import decode_attention, decode_gather, prefill_attention, rope_and_store
 from worker.engines.native.elementwise import Elementwise
 from worker.engines.native.gemv import RowLinear, triton
-from worker.engines.native.linear import Int4Linear, PackedLinear
+from worker.engines.native.linear import GROUP, Int4Linear, PackedLinear
 
 SUPPORTED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
 
@@ -215,6 +215,7 @@ class LlamaModel(nn.Module):
         # references (0.5-1 s of startup), and a meta buffer would hold no values.
         steps = torch.arange(0, config.head_dim, 2, device="cpu").float() / config.head_dim
         self.register_buffer("inv_freq", 1.0 / config.rope_theta ** steps, persistent=False)
+        self.decode_weights: kernels.LayerWeights | None = None  # set by gather_decode_weights()
 
     @torch.inference_mode()
     def forward(self, batch: Batch, k_caches: torch.Tensor, v_caches: torch.Tensor) -> torch.Tensor:
@@ -226,12 +227,31 @@ class LlamaModel(nn.Module):
         freqs = batch.positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(x.dtype)[:, None, :], emb.sin().to(x.dtype)[:, None, :]
-        residual = None
-        for index, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, cos, sin, batch, k_caches[index], v_caches[index])
+        if self.decode_weights is not None and not batch.prefills and not batch.fresh:
+            x, residual = kernels.decode_layers(x, self.decode_weights, k_caches, v_caches, cos, sin, batch.slots,
+                                                batch.decode_tables, batch.decode_lens, batch.block_size)
+        else:
+            residual = None
+            for index, layer in enumerate(self.layers):
+                x, residual = layer(x, residual, cos, sin, batch, k_caches[index], v_caches[index])
         if batch.prefills or batch.fresh:  # else every token is a decode, its sequence's last
             x, residual = x[batch.last_token_index], residual[batch.last_token_index]
         return self.lm_head(self.norm.add(x, residual)[1])
+
+    def gather_decode_weights(self) -> None:
+        """On CPUs with the kernels built and every linear layer laid out by linear.py: all-decode
+        steps run the decoder layers in one C++ call (kernels.decode_layers)."""
+        linears = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+                   for layer in self.layers]
+        flat = [linear for four in linears for linear in four]
+        if not kernels.loaded() or not all(isinstance(linear, (PackedLinear, Int4Linear)) for linear in flat):
+            return
+        self.decode_weights = kernels.LayerWeights(
+            norms=[norm.weight for layer in self.layers for norm in (layer.input_layernorm, layer.post_attention_layernorm)],
+            weights=[linear.packed for linear in flat],
+            scales=[linear.scales if isinstance(linear, Int4Linear) else None for linear in flat],
+            biases=[linear.bias for linear in flat], heads=self.config.num_heads, eps=self.config.rms_norm_eps,
+            group=GROUP)
 
     def weight_bytes(self) -> int:
         packed = {id(m.packed): m.weight_bytes for m in self.modules() if hasattr(m, "packed")}
@@ -293,4 +313,6 @@ def load_model(folder: Path, dtype: torch.dtype, device: torch.device, quantizat
         wrap_linears(model.layers, lambda linear: Int4Linear(linear) if Int4Linear.fits(linear) else linear)
     if device.type == "cpu" and PackedLinear.supports(dtype):
         wrap_linears(model, PackedLinear)
+    if device.type == "cpu":
+        model.gather_decode_weights()
     return model

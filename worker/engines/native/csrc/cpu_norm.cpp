@@ -15,6 +15,9 @@
 #include <tuple>
 #include <vector>
 
+#include "ops.h"
+
+namespace cyllm {
 namespace {
 
 template <typename T>
@@ -47,6 +50,8 @@ void norm_rows(const T* x, const T* residual, const T* weight, T* total, T* out,
   });
 }
 
+}  // namespace
+
 // (x + residual, weight * norm(x + residual)); without a residual (the first layer) the total is x.
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& residual,
                                                 const at::Tensor& weight, double eps) {
@@ -74,9 +79,9 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const std::
   return {total, out};
 }
 
-}  // namespace
+}  // namespace cyllm
 
 TORCH_LIBRARY_FRAGMENT(cyllm, m) {
   m.def("add_rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)");
-  m.impl("add_rms_norm", c10::DispatchKey::CPU, &add_rms_norm);
+  m.impl("add_rms_norm", c10::DispatchKey::CPU, &cyllm::add_rms_norm);
 }

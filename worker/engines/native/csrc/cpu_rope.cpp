@@ -13,6 +13,9 @@
 #include <initializer_list>
 #include <tuple>
 
+#include "ops.h"
+
+namespace cyllm {
 namespace {
 
 // One head of D values: out = x * cos + rotate_half(x) * sin, rotate_half(x) = (-x[half:], x[:half]);
@@ -56,6 +59,8 @@ void rope_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
   });
 }
 
+}  // namespace
+
 // q (T, H, D), k and v (T, kv_heads, D), unit stride in D; cos and sin (T, D); caches (slots,
 // kv_heads, D); slots (T,) int64. Returns q and k rotated, contiguous.
 std::tuple<at::Tensor, at::Tensor> rope_and_store(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -85,9 +90,9 @@ std::tuple<at::Tensor, at::Tensor> rope_and_store(const at::Tensor& q, const at:
   return {q_out, k_out};
 }
 
-}  // namespace
+}  // namespace cyllm
 
 TORCH_LIBRARY_FRAGMENT(cyllm, m) {
   m.def("rope_and_store(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> (Tensor, Tensor)");
-  m.impl("rope_and_store", c10::DispatchKey::CPU, &rope_and_store);
+  m.impl("rope_and_store", c10::DispatchKey::CPU, &cyllm::rope_and_store);
 }
