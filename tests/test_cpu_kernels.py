@@ -136,12 +136,12 @@ def tiny_qwen2(tmp_path_factory):
 
 
 @pytest.mark.parametrize("variant", ["fp32", "bf16", "bf16-int4", "qwen2-bias"])
-def test_decode_layers_match_the_layer_by_layer_path(built, variant, embedded_model, tiny_qwen2):
+def test_decode_layers_match_the_layer_by_layer_path(built, variant, tiny_qwen2, request):
     """An all-decode step through kernels.decode_layers gives the logits and cache writes of the
     model's layers run one by one, to the bit: the same kernels in the same order."""
     from worker.engines.native.model import Batch, load_model
 
-    folder = tiny_qwen2 if variant == "qwen2-bias" else embedded_model
+    folder = tiny_qwen2 if variant == "qwen2-bias" else request.getfixturevalue("embedded_model")
     dtype = torch.bfloat16 if variant.startswith("bf16") else torch.float32
     model = load_model(folder, dtype, torch.device("cpu"), "int4" if variant.endswith("int4") else "none")
     assert model.decode_weights is not None

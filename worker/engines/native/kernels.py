@@ -4,9 +4,9 @@ torch's cpp_extension builds them with the machine's C++ compiler and ninja (~10
 `engine.kernel_dir`, one folder per torch version, CPU and source: `-march=native` ties the binary to
 the CPU, and a cache folder may be shared by several machines (a volume, a home directory on NFS) or
 by two versions of cy-llm, which would otherwise rebuild over each other's library. Later starts
-load the built library in milliseconds. Where nothing can be built (no compiler), the engine
-runs the plain torch paths of attention.py and elementwise.py, layer by layer from model.py, which give the same greedy tokens
-(tests/test_native_engine.py runs both against HF) more slowly.
+load the built library in milliseconds. Where nothing can be built (no compiler), the engine runs
+the plain torch paths of attention.py and elementwise.py, layer by layer from model.py, which give
+the same greedy tokens (tests/test_native_engine.py runs both against HF) more slowly.
 
 - torch.ops.cyllm.paged_decode(q, k_cache, v_cache, tables, lens, block_size, scale): decode
   attention read in place from the paged cache (csrc/cpu_attention.cpp).

@@ -241,9 +241,8 @@ class LlamaModel(nn.Module):
     def gather_decode_weights(self) -> None:
         """On CPUs with the kernels built and every linear layer laid out by linear.py: all-decode
         steps run the decoder layers in one C++ call (kernels.decode_layers)."""
-        linears = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-                   for layer in self.layers]
-        flat = [linear for four in linears for linear in four]
+        flat = [linear for layer in self.layers for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                                layer.mlp.gate_up_proj, layer.mlp.down_proj)]
         if not kernels.loaded() or not all(isinstance(linear, (PackedLinear, Int4Linear)) for linear in flat):
             return
         self.decode_weights = kernels.LayerWeights(

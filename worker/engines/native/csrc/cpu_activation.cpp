@@ -7,7 +7,9 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 #include "ops.h"
 #include "vec.h"
