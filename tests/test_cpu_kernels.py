@@ -122,26 +122,13 @@ def test_silu_and_mul_matches_the_torch_path(built, dtype):
     torch.testing.assert_close(kernels.silu_and_mul(gate_up), silu_and_mul(gate_up), **tolerance)
 
 
-@pytest.fixture(scope="module")
-def tiny_qwen2(tmp_path_factory):
-    """A random 2-layer Qwen2 (biases on q, k and v) saved as an HF folder."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    folder = tmp_path_factory.mktemp("tiny-qwen2")
-    config = Qwen2Config(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024)
-    torch.manual_seed(5)
-    Qwen2ForCausalLM(config).save_pretrained(folder)
-    return folder
-
-
 @pytest.mark.parametrize("variant", ["fp32", "bf16", "bf16-int4", "qwen2-bias"])
-def test_decode_layers_match_the_layer_by_layer_path(built, variant, tiny_qwen2, request):
+def test_decode_layers_match_the_layer_by_layer_path(built, variant, tiny_model, request):
     """An all-decode step through kernels.decode_layers gives the logits and cache writes of the
     model's layers run one by one, to the bit: the same kernels in the same order."""
     from worker.engines.native.model import Batch, load_model
 
-    folder = tiny_qwen2 if variant == "qwen2-bias" else request.getfixturevalue("embedded_model")
+    folder = tiny_model("qwen2") if variant == "qwen2-bias" else request.getfixturevalue("embedded_model")
     dtype = torch.bfloat16 if variant.startswith("bf16") else torch.float32
     model = load_model(folder, dtype, torch.device("cpu"), "int4" if variant.endswith("int4") else "none")
     assert model.decode_weights is not None

@@ -332,18 +332,14 @@ def test_one_row_linear_matches_torch(dtype):
         torch.testing.assert_close(RowLinear(linear)(x), linear(x), **tolerance)
         assert RowLinear(linear)(x.repeat(3, 1)).shape == (3, n)  # more rows: torch's linear
 
+
 @pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
+def tiny_llama(tiny_model):
     """A random 2-layer Llama saved as an HF folder, with a word-level tokenizer (t0 .. t511)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=64, vocab_size=512, max_position_embeddings=1024,
-                         bos_token_id=0, eos_token_id=1)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(folder)
+    folder = tiny_model("llama", bos_token_id=0, eos_token_id=1)
     words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(512)}, unk_token="t0"))
     words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=words, eos_token="t1", unk_token="t0").save_pretrained(folder)

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2's qkv bias) in plain PyTorch, over a paged KV cache.
+"""Llama-family decoder (Llama 2/3 and 3.1's rope scaling, SmolLM2, Mistral, Qwen2's qkv bias) in plain PyTorch,
+over a paged KV cache.
 
 A forward pass takes the tokens of several sequences packed into one row (prefill chunks and decode
 tokens alike) and, per sequence, where its tokens go in the cache and which cached blocks it reads.
@@ -7,6 +8,7 @@ tokens alike) and, per sequence, where its tokens go in the cache and which cach
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +23,9 @@ from worker.engines.native.gemv import RowLinear, triton
 from worker.engines.native.linear import GROUP, Int4Linear, PackedLinear
 
 SUPPORTED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+ROPE_SCALING = {"default": (), "linear": ("factor",),
+                "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+"""The rotary embedding's types the model runs (Llama 3.1 and later use llama3), and what each reads."""
 
 
 @dataclass(frozen=True)
@@ -34,9 +39,13 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
+    rope_type: str
+    rope_scaling: tuple[tuple[str, float], ...]  # ROPE_SCALING[rope_type]'s keys and their values
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
     eos_token_ids: tuple[int, ...]
 
     @classmethod
@@ -47,8 +56,12 @@ class ModelConfig:
             raise ValueError(f"the native engine runs {', '.join(sorted(SUPPORTED))}; {folder} is {architecture}")
         # transformers 5 writes rope_parameters; older folders rope_theta (+ rope_scaling).
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-        if (rope.get("rope_type") or rope.get("type") or "default") != "default":
-            raise ValueError(f"rope type {rope.get('rope_type') or rope.get('type')!r} is not supported by the native engine yet")
+        rope_type = rope.get("rope_type") or rope.get("type") or "default"
+        if rope_type not in ROPE_SCALING or rope.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError(f"rope type {rope_type!r} (partial_rotary_factor {rope.get('partial_rotary_factor', 1.0)}) is not "
+                             f"supported by the native engine; it runs {', '.join(ROPE_SCALING)} on every dimension")
+        if any(key not in rope for key in ROPE_SCALING[rope_type]):
+            raise ValueError(f"rope type {rope_type!r} needs {', '.join(ROPE_SCALING[rope_type])}; {folder} has {sorted(rope)}")
         eos = raw.get("eos_token_id")
         generation = folder / "generation_config.json"
         if generation.exists():
@@ -58,9 +71,14 @@ class ModelConfig:
             vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"],
             num_layers=raw["num_hidden_layers"], num_heads=heads, num_kv_heads=raw.get("num_key_value_heads") or heads,
             head_dim=raw.get("head_dim") or raw["hidden_size"] // heads, rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            rope_theta=raw.get("rope_theta") or rope.get("rope_theta", 10000.0), max_position_embeddings=raw.get("max_position_embeddings", 4096),
+            rope_theta=raw.get("rope_theta") or rope.get("rope_theta", 10000.0), rope_type=rope_type,
+            rope_scaling=tuple((key, float(rope[key])) for key in ROPE_SCALING[rope_type]),
+            max_position_embeddings=raw.get("max_position_embeddings", 4096),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            # Qwen2: biases on q, k and v only; Llama's attention_bias puts one on o too.
             qkv_bias=raw.get("model_type") == "qwen2" or raw.get("attention_bias", False),
+            o_bias=raw.get("model_type") != "qwen2" and raw.get("attention_bias", False),
+            mlp_bias=raw.get("mlp_bias", False),
             eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
         )
 
@@ -145,7 +163,7 @@ class Attention(nn.Module):
         self.sizes = [config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim,
                       config.num_kv_heads * config.head_dim]
         self.qkv_proj = nn.Linear(config.hidden_size, sum(self.sizes), bias=config.qkv_bias)
-        self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=False)
+        self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=config.o_bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: Batch,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
@@ -191,8 +209,8 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig, ops: Elementwise):
         super().__init__()
         self.ops = ops
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
@@ -213,8 +231,7 @@ class LlamaModel(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         # On the CPU even when built on meta: a meta arange and division import torch's Python
         # references (0.5-1 s of startup), and a meta buffer would hold no values.
-        steps = torch.arange(0, config.head_dim, 2, device="cpu").float() / config.head_dim
-        self.register_buffer("inv_freq", 1.0 / config.rope_theta ** steps, persistent=False)
+        self.register_buffer("inv_freq", rope_frequencies(config), persistent=False)
         self.decode_weights: kernels.LayerWeights | None = None  # set by gather_decode_weights()
 
     @torch.inference_mode()
@@ -257,6 +274,24 @@ class LlamaModel(nn.Module):
         return sum(p.numel() * p.element_size() for p in self.parameters()) + sum(packed.values())
 
 
+def rope_frequencies(config: ModelConfig) -> torch.Tensor:
+    """The rotary embedding's inverse frequencies, (D / 2,), as HF computes them for the model's rope type."""
+    inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, config.head_dim, 2, device="cpu").float() / config.head_dim)
+    scaling = dict(config.rope_scaling)
+    if config.rope_type == "linear":
+        return inv_freq / scaling["factor"]
+    if config.rope_type == "llama3":  # long wavelengths slowed by `factor`, short ones kept, a blend between
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        context = scaling["original_max_position_embeddings"]
+        wavelength = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelength > context / low, inv_freq / factor, inv_freq)
+        smooth = (context / wavelength - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelength < context / high) * ~(wavelength > context / low)
+        return torch.where(medium, blended, scaled)
+    return inv_freq
+
+
 def wrap_linears(root: nn.Module, wrapper) -> None:
     """Every plain nn.Linear under `root` (a tied lm_head too, as its own copy) replaced by
     wrapper(layer), which may return the layer as it is; layers already wrapped are left alone."""
@@ -293,9 +328,14 @@ def load_model(folder: Path, dtype: torch.dtype, device: torch.device, quantizat
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     merge_projections(state, config.num_layers)
-    missing = set(dict(model.named_parameters())) - set(state) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
+    expected = set(dict(model.named_parameters()))
+    missing = expected - set(state) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
     if missing:
         raise ValueError(f"{folder}: weights missing for {sorted(missing)[:5]}")
+    # A weight this model has no place for is a variant it does not implement: refused, not dropped.
+    unused = {key for key in state if key not in expected and not key.endswith("rotary_emb.inv_freq")}
+    if unused:
+        raise ValueError(f"{folder}: the native engine has no place for the weights {sorted(unused)[:5]}")
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
