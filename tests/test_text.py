@@ -60,7 +60,8 @@ def test_same_seed_same_tokens_whatever_else_is_in_the_batch():
     params = SamplingParams(temperature=1.0, seed=42)
 
     def draw(batch_rows):
-        rows = [params] + [SamplingParams(temperature=1.0, seed=s) for s in range(batch_rows)]
+        # Neighbours with and without top-p: only rows that truncate are sorted.
+        rows = [params] + [SamplingParams(temperature=1.0, seed=s, top_p=0.9 if s % 2 else 1.0) for s in range(batch_rows)]
         gens = [make_generator(p, torch.device("cpu")) for p in rows]
         out = []
         for _ in range(20):
@@ -70,6 +71,16 @@ def test_same_seed_same_tokens_whatever_else_is_in_the_batch():
 
     assert draw(0) == draw(3)
     assert len(set(draw(0))) > 5
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.999], ids=["unsorted", "sorted"])
+def test_draws_follow_the_probabilities(top_p):
+    """Both ways of drawing (rows that truncate are sorted first) draw each token at its probability."""
+    logits = torch.log(torch.tensor([[0.6, 0.3, 0.1]]))
+    params = SamplingParams(temperature=1.0, top_p=top_p, seed=3)
+    gen = make_generator(params, torch.device("cpu"))
+    draws = [sample(logits.clone(), [params], [gen], [[]], [[]]).item() for _ in range(3000)]
+    assert [round(draws.count(token) / len(draws), 1) for token in range(3)] == [0.6, 0.3, 0.1]
 
 
 def test_top_p_and_min_p_keep_only_the_head():

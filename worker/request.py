@@ -46,6 +46,10 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def truncates(self, vocab: int) -> bool:
+        """Whether top-k, top-p or min-p can drop any of a vocabulary this size."""
+        return 0 < self.top_k < vocab or self.top_p < 1.0 or self.min_p > 0.0
+
     @property
     def is_penalized(self) -> bool:
         return self.repetition_penalty != 1.0 or bool(self.presence_penalty) or bool(self.frequency_penalty)
