@@ -4,9 +4,9 @@ A decode step on a CPU is mostly its linear layers reading their weights, so the
 - `PackedLinear`: the full-precision weight in oneDNN's blocked layout (fp32 or bf16).
 - `Int4Linear` (engine.args.quantization=int4): weight-only 4-bit, a scale and an offset per group
   of 32 inputs (the scheme of GGUF's Q4_1), through torch's int4 CPU kernel with bf16 activations.
-  A quarter of bf16's bytes: on the 2-core machine SmolLM2 decoded one stream at 14 ms a token
-  against 23 in bf16 and batch 8 ran at 253 tok/s against 242, but a 128-token prompt took 251 ms
-  against 146 (bench/results/engines_cpu.json, medians of 3 rounds): the kernel's time grows with
+  A quarter of bf16's bytes: on the 2-core machine SmolLM2 decoded one stream at 9.2 ms a token
+  against 17.8 in bf16, but batch 8 ran at 327 tok/s against 371 and a 128-token prompt took 248 ms
+  against 148 (bench/results/engines_cpu.json, medians of 3 rounds): the kernel's time grows with
   every row, bf16's GEMM less so.
 """
 
