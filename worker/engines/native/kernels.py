@@ -1,7 +1,7 @@
 """The native engine's C++ kernels for CPUs (csrc/), compiled on first use for the CPU that runs them.
 
 torch's cpp_extension builds them with the machine's C++ compiler and ninja (~10 s on 2 cores) into
-`engine.kernel_dir`, one folder per torch version, CPU and source: `-march=native` ties the binary to
+`engine.kernel_dir`, one folder per torch install, CPU and source: `-march=native` ties the binary to
 the CPU, and a cache folder may be shared by several machines (a volume, a home directory on NFS) or
 by two versions of cy-llm, which would otherwise rebuild over each other's library. Later starts
 load the built library in milliseconds. Where nothing can be built (no compiler), the engine runs
@@ -114,8 +114,10 @@ def decode_layers(x: torch.Tensor, layers: LayerWeights, k_caches: torch.Tensor,
 
 
 def _build_key() -> str:
-    """A digest of the CPU's model and instruction-set flags and of the sources."""
-    described = platform.machine()
+    """A digest of the CPU's model and instruction-set flags, of the sources, and of where torch is
+    installed (two environments with one torch version build against different include paths, and
+    sharing a folder, rebuilt it each time the other had run)."""
+    described = platform.machine() + str(Path(torch.__file__).parent)
     try:
         with open("/proc/cpuinfo") as info:
             lines = info.read().split("\n\n")[0].splitlines()
