@@ -93,10 +93,12 @@ def sample(
 def _inverse_cdf(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
     """(R,) indices drawn from each row of probs (R, V), which need not sum to 1; zeros never drawn."""
     cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1]
     draws = torch.cat([torch.rand(1, generator=g, device=probs.device) for g in generators])
-    # right: the first index whose running total exceeds the draw, so a token of probability 0 is never it.
-    index = torch.searchsorted(cdf, (draws * cdf[:, -1])[:, None], right=True)[:, 0]
-    return index.clamp_(max=probs.shape[-1] - 1)
+    # Below the total even where draw * total rounds up to it, and the first index whose running
+    # total exceeds the point (right=True): a token of probability 0 is never the one found.
+    points = torch.minimum(draws * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, points[:, None], right=True)[:, 0]
 
 
 def _truncated(probs: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
