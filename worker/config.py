@@ -36,8 +36,9 @@ class ServerConfig:
     running streams / this, and tokens produced meanwhile ride in the next message. Leaves the
     event loop room to accept new calls under load. 0 sends as fast as the transport takes them."""
     progress_timeout_s: float = 20.0
-    """While requests run and no output arrived for this long, the inference service reports
-    NOT_SERVING (liveness stays up) until output flows again; 0 turns the check off."""
+    """While requests run and the engine completed no step (a prefill chunk or a decode) and sent
+    no output for this long, the inference service reports NOT_SERVING (liveness stays up) until
+    it moves again; 0 turns the check off."""
     max_consecutive_engine_errors: int = 5
     """Device or engine faults in a row (out of memory, a failed request) after which the worker
     stops serving and exits non-zero so it is restarted; a success resets the count."""
@@ -49,6 +50,28 @@ class ServerConfig:
     exit_on_load_failure: bool = True
     """A model that fails to load stops the worker (exit code 3, so a supervisor restarts it);
     false keeps it alive and never ready, answering UNAVAILABLE with the load error."""
+    keepalive_min_ping_interval_s: float = 5.0
+    """The shortest spacing of HTTP/2 keepalive pings a client may send, with or without data
+    on the connection (grpc's min_recv_ping_interval_without_data). A client that pings more
+    often collects strikes and, past keepalive_max_ping_strikes, its connection is closed with
+    every stream on it: grpc's default of 5 minutes killed the sidecar's streams (it pings every
+    10 s) after a minute without output. Clients must ping no more often than this; the sidecar
+    reads it from GetInfo and refuses a worker it would strike against."""
+    keepalive_permit_without_calls: bool = True
+    """Accept pings on a connection with no call open (the sidecar pings idle connections too,
+    so that a hung worker is noticed before a request is sent to it)."""
+    keepalive_max_ping_strikes: int = 2
+    """Pings closer together than keepalive_min_ping_interval_s tolerated before the connection
+    is closed (GOAWAY too_many_pings); 0 tolerates any number."""
+
+    def grpc_options(self) -> list[tuple[str, int]]:
+        """grpc server options: the message size and the keepalive policy above."""
+        return [
+            ("grpc.max_receive_message_length", self.max_receive_message_bytes),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", int(self.keepalive_min_ping_interval_s * 1000)),
+            ("grpc.keepalive_permit_without_calls", int(self.keepalive_permit_without_calls)),
+            ("grpc.http2.max_ping_strikes", self.keepalive_max_ping_strikes),
+        ]
 
     def validate(self) -> None:
         if not self.socket:
@@ -65,6 +88,8 @@ class ServerConfig:
         _check_range("server.stall_timeout_s", self.stall_timeout_s, 0, 86_400)
         _check_range("server.max_messages_per_s", self.max_messages_per_s, 0, 1e9)
         _check_range("server.max_receive_message_bytes", self.max_receive_message_bytes, 1024, 1 << 30)
+        _check_range("server.keepalive_min_ping_interval_s", self.keepalive_min_ping_interval_s, 0.0, 86_400.0)
+        _check_range("server.keepalive_max_ping_strikes", self.keepalive_max_ping_strikes, 0, 1_000_000)
         if self.log_level.lower() not in {"debug", "info", "warning", "error"}:
             raise ConfigError("server.log_level", f"{self.log_level!r} is not debug|info|warning|error")
 

@@ -37,6 +37,9 @@ FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENG
                   "aborted": pb.FINISH_REASON_ABORTED}
 # Tokenizing more text than this would stall every stream on the event loop; do it on a thread.
 INLINE_ENCODE_CHARS = 16_384
+# A call cancelled this close to its deadline ended by the deadline (a client that hangs up, or a
+# sidecar whose own deadline passed, cancels a moment before grpc's timer here fires).
+DEADLINE_SLACK_S = 0.05
 
 
 class InferenceServicer(pb_grpc.InferenceServiceServicer):
@@ -137,7 +140,10 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             stream = grant = timer = None
             await _abort(context, status, detail)
         except asyncio.CancelledError:  # the client left, or grpc ended the call at its deadline
-            past_deadline = deadline is not None and time.monotonic() >= deadline
+            # grpc's own clock: `deadline` above was read a little after the call's, so at the
+            # deadline grpc cancels the call before time.monotonic() reaches it.
+            remaining = context.time_remaining()
+            past_deadline = remaining is not None and remaining <= DEADLINE_SLACK_S
             status = grpc.StatusCode.DEADLINE_EXCEEDED if past_deadline else grpc.StatusCode.CANCELLED
             raise
         except Exception as exc:  # noqa: BLE001 - a bug must cost one request, not the worker

@@ -41,6 +41,8 @@ class ControlServicer(pb_grpc.WorkerControlServicer):
             max_model_len=info.max_model_len if info else 0,
             adapters=sorted(self.worker.inference.adapters),
             pid=os.getpid(),
+            min_ping_interval_ms=int(self.worker.config.server.keepalive_min_ping_interval_s * 1000),
+            permit_pings_without_calls=self.worker.config.server.keepalive_permit_without_calls,
         )
 
     async def GetLoad(self, request, context) -> pb.WorkerLoad:
@@ -93,8 +95,7 @@ class Worker:
 
     async def run(self) -> int:
         self.ownership.acquire()
-        max_bytes = self.config.server.max_receive_message_bytes
-        server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_bytes)])
+        server = grpc.aio.server(options=self.config.server.grpc_options())
         pb_grpc.add_InferenceServiceServicer_to_server(self.inference, server)
         pb_grpc.add_WorkerControlServicer_to_server(ControlServicer(self), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -149,13 +150,14 @@ class Worker:
                  budget_tokens=self.scheduler.budget_total, load_s=round(time.perf_counter() - started, 2))
 
     async def _watch_progress(self, timeout_s: float) -> None:
-        """Readiness means progress: running work with no output for timeout_s is a stuck engine."""
+        """Readiness means progress: running work while the engine completes no step (a prefill
+        chunk counts) and sends no output for timeout_s is a stuck engine. A long prompt is not."""
         stalled = False
         while True:
             await asyncio.sleep(min(1.0, timeout_s / 4))
             if not self.inference.ready or self._shutdown.is_set():
                 continue
-            idle_s = time.monotonic() - self.inference.last_progress
+            idle_s = time.monotonic() - max(self.inference.last_progress, self.engine.last_step_at)
             now_stalled = self.scheduler.load().running > 0 and idle_s > timeout_s
             if now_stalled != stalled:
                 stalled = now_stalled

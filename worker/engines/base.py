@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
@@ -85,12 +86,18 @@ class BaseEngine(ABC):
     name: str
     # Keys of the registry's performance preset this engine takes as engine arguments.
     preset_args: tuple[str, ...] = ()
+    # The warm-up prompt's length (native: long enough to measure its prefill rate).
+    warmup_prompt_tokens: int = 1
 
     def __init__(self, config: Config, on_fatal: Callable[[BaseException], None] | None = None):
         self.config = config
         self.info: ModelInfo | None = None
         # Called once if the engine can no longer serve anything; the worker then exits.
         self._on_fatal = on_fatal or (lambda error: None)
+        # time.monotonic() of the last step the engine completed (a prefill chunk or a decode),
+        # written by engines that can see their steps: the progress watchdog reads it, so a long
+        # prompt that sends nothing for a while still counts as progress. Others rely on outputs.
+        self.last_step_at = 0.0
 
     @abstractmethod
     async def load_model(self) -> ModelInfo:
@@ -142,6 +149,7 @@ class BaseEngine(ABC):
     async def warmup(self) -> None:
         """One real forward pass, so readiness means the model answers."""
         request = GenerationRequest(
-            request_id="warmup", sampling=SamplingParams(max_tokens=2, ignore_eos=True), prompt_token_ids=[0])
+            request_id="warmup", sampling=SamplingParams(max_tokens=2, ignore_eos=True),
+            prompt_token_ids=[0] * self.warmup_prompt_tokens)
         async for _ in self.stream_predict(request):
             pass

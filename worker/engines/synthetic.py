@@ -7,6 +7,7 @@ lowercase letter derived from the seed and position. Never a default: it is chos
 from __future__ import annotations
 
 import asyncio
+import time
 import zlib
 from dataclasses import dataclass, field
 
@@ -148,6 +149,7 @@ class SyntheticEngine(BaseEngine):
             next_step += step_s
             await asyncio.sleep(max(0.0, next_step - loop.time()))
             now = loop.time()
+            self._prefill_step(now)
             for sequence in [s for s in self._running.values() if s.ready_at <= now]:
                 self._emit(sequence, 1)
 
@@ -165,6 +167,7 @@ class SyntheticEngine(BaseEngine):
             # Tokens earned since the last step, shared round-robin; capped so an idle gap is no burst.
             credit = min(credit + (now - last) * self.args.tokens_per_s, self.args.tokens_per_s * 0.05)
             last = now
+            self._prefill_step(now)
             ready = [s for s in self._running.values() if s.ready_at <= now]
             if not ready or credit < 1:
                 continue
@@ -178,6 +181,14 @@ class SyntheticEngine(BaseEngine):
                 if count:
                     self._emit(sequence, count)
 
+    def _stalled(self) -> bool:
+        return bool(self.args.stall_after_tokens) and self._emitted >= self.args.stall_after_tokens
+
+    def _prefill_step(self, now: float) -> None:
+        """A request still in its prefill delay is work in progress, as a model's prefill chunks are."""
+        if not self._stalled() and any(s.ready_at > now for s in self._running.values()):
+            self.last_step_at = time.monotonic()
+
     def _emit(self, sequence: _Sequence, count: int) -> None:
         if self.args.fail_after_tokens and self._emitted >= self.args.fail_after_tokens:
             raise RuntimeError("injected engine fault")
@@ -186,6 +197,7 @@ class SyntheticEngine(BaseEngine):
             if count <= 0:
                 return
         self._emitted += count
+        self.last_step_at = time.monotonic()
         request = sequence.request
         count = min(count, request.sampling.max_tokens - sequence.generated)
         vocab = self.args.vocab_size

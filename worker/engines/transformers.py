@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -138,6 +139,7 @@ class TransformersEngine(ThreadedEngine):
             for key in list(self._active):
                 if self._step(self._active[key]):
                     del self._active[key]
+                self.last_step_at = time.monotonic()
             self._unfinished = len(self._active)
 
     def _open_streams(self) -> list[RequestStream]:

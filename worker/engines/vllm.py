@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import itertools
 import os
+import time
 from typing import Any
 
 from worker.config import ConfigError
@@ -80,7 +81,8 @@ class VLLMEngine(BaseEngine):
                                          True, lambda m: log.info(m))
         self.tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, folder)
         engine_args = self._engine_args(str(folder))
-        self.engine = await asyncio.to_thread(AsyncLLM.from_engine_args, engine_args)
+        self.engine = await asyncio.to_thread(AsyncLLM.from_engine_args, engine_args,
+                                              stat_loggers=[_step_clock(self)])
         vllm_config = self.engine.vllm_config
         cache, model = vllm_config.cache_config, vllm_config.model_config
         self._budget = int(cache.num_gpu_blocks) * int(cache.block_size)
@@ -172,6 +174,26 @@ class VLLMEngine(BaseEngine):
             repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
             frequency_penalty=s.frequency_penalty, stop=list(s.stop) or None, stop_token_ids=list(s.stop_token_ids),
             seed=s.seed, ignore_eos=s.ignore_eos, output_kind=RequestOutputKind.DELTA, skip_special_tokens=True)
+
+
+def _step_clock(engine: VLLMEngine) -> Any:
+    """A vLLM stat logger that only keeps the time of the engine's last step: vLLM calls record()
+    once per step, prefill chunks included (it sends the scheduler's stats even for a step with no
+    output), which is what the progress watchdog needs while a long prompt produces nothing. vLLM's
+    own loggers stay off."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class StepClock(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0):
+            pass
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0):
+            engine.last_step_at = time.monotonic()
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return StepClock
 
 
 def _cuda_available() -> bool:
