@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import mmap
 import os
+import time
 from collections import deque
 
 import torch
@@ -24,6 +25,7 @@ from worker.engines.detokenizer import OutputText
 from worker.engines.native import kernels as cpu_kernels
 from worker.engines.native.block_manager import BlockManager
 from worker.engines.native.model import Batch, load_model
+from worker.engines.native.pacer import PrefillPacer
 from worker.engines.native.sequence import Sequence, Step
 from worker.engines.prompt import encode_prompt, load_tokenizer
 from worker.engines.sampler import make_generator, sample
@@ -38,7 +40,7 @@ GIB = 1 << 30
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ARGS = {"block_size": 16, "max_num_batched_tokens": 2048, "max_num_seqs": 64, "gpu_memory_utilization": 0.9,
         "kv_cache_dtype": "auto", "enable_prefix_caching": True, "enforce_eager": False, "cpu_threads": 0,
-        "overlap_output": "auto", "quantization": "none"}
+        "overlap_output": "auto", "quantization": "none", "prefill_chunk_s": 0.25}
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -54,6 +56,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
 class NativeEngine(ThreadedEngine):
     name = "native"
     preset_args = ("block_size", "max_num_batched_tokens", "max_num_seqs", "gpu_memory_utilization")
+    warmup_prompt_tokens = 64  # so the PrefillPacer has a rate before the first long prompt
 
     def __init__(self, config, on_fatal=None):
         super().__init__(config, on_fatal)
@@ -78,6 +81,7 @@ class NativeEngine(ThreadedEngine):
         self._pending: list[tuple[Sequence, int]] = []
         """(sequence, token) sampled and not yet emitted."""
         self.prefix_queried_tokens = self.prefix_hit_tokens = 0
+        self._step_flops = 0.0
 
     def _load(self) -> None:
         engine = self.config.engine
@@ -111,6 +115,7 @@ class NativeEngine(ThreadedEngine):
         if num_blocks < 2:
             raise ConfigError("resources.memory_limit_gib", "too little memory for the KV cache")
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching=bool(self.args["enable_prefix_caching"]))
+        self.pacer = PrefillPacer(c, float(self.args["prefill_chunk_s"]))
         # (layers, slots, kv_heads, head_dim): slot = block * block_size + offset. One block more
         # than the manager hands out: the CUDA graphs' padding rows write there.
         shape = (c.num_layers, (num_blocks + 1) * block_size, c.num_kv_heads, c.head_dim)
@@ -183,10 +188,14 @@ class NativeEngine(ThreadedEngine):
         step: Step | None = None  # launched, its tokens not read yet
         while self._take_inbox(block=step is None and not (self._waiting or self._running or self._pending)):
             if step is None:
+                started = time.monotonic()
                 step = self._launch(self._schedule())
+                step.flops, step.launched_at = self._step_flops, started
             ahead = self._launch_ahead(step) if self.overlap else None
             self._emit()  # with overlap: while the step runs on the device
             self._pending = self._read(step)
+            self.last_step_at = time.monotonic()
+            self.pacer.record(step.flops, self.last_step_at - step.launched_at, sum(c for _, c in step.scheduled if c > 1))
             step = ahead
             if not self.overlap:
                 self._emit()
@@ -214,8 +223,10 @@ class NativeEngine(ThreadedEngine):
             self._waiting.remove(seq)
 
     def _schedule(self) -> list[tuple[Sequence, int]]:
-        """(sequence, tokens this step): a decode token for each running one, then prefill chunks."""
+        """(sequence, tokens this step): a decode token for each running one, then prefill chunks
+        as far as the token budget and the pacer's time allow."""
         budget = int(self.args["max_num_batched_tokens"])
+        self._step_flops = 0.0
         scheduled: list[tuple[Sequence, int]] = []
         preempted: set[int] = set()
         for seq in list(self._running):
@@ -231,12 +242,13 @@ class NativeEngine(ThreadedEngine):
                 self.blocks.grow(seq.blocks, seq.num_cached + 1)
                 scheduled.append((seq, 1))
                 budget -= 1
+                self._step_flops += self.pacer.cost(1, seq.num_cached)
         while self._waiting and budget > 0 and len(self._running) < int(self.args["max_num_seqs"]):
             seq = self._waiting[0]
             starting = not seq.blocks
             if starting:
                 seq.num_cached, queried = self.blocks.match_prefix(seq.blocks, seq.tokens)
-            chunk = min(len(seq.tokens) - seq.num_cached, budget)
+            chunk = self.pacer.chunk(seq.num_cached, len(seq.tokens) - seq.num_cached, budget, self._step_flops)
             if not self.blocks.can_grow(seq.blocks, seq.num_cached + chunk):
                 if starting:  # a waiting sequence holds no blocks until it runs
                     self.blocks.release(seq.blocks)
@@ -248,6 +260,7 @@ class NativeEngine(ThreadedEngine):
             self.blocks.grow(seq.blocks, seq.num_cached + chunk)
             scheduled.append((seq, chunk))
             budget -= chunk
+            self._step_flops += self.pacer.cost(chunk, seq.num_cached)
             if seq.num_cached + chunk == len(seq.tokens):
                 self._running.append(self._waiting.popleft())
             else:

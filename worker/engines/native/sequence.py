@@ -39,3 +39,6 @@ class Step:
     tokens: torch.Tensor | None = None
     host_tokens: torch.Tensor | None = None
     copied: torch.cuda.Event | None = None
+    flops: float = 0.0
+    """Priced by the PrefillPacer when scheduled (0 for a step launched ahead: decodes only)."""
+    launched_at: float = 0.0

@@ -1,0 +1,85 @@
+"""Long prompts on the native engine: prefill chunks sized by time, so a worker busy with one stays
+ready, and a cancel or a deadline frees the engine at the next chunk."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+
+from tests.conftest import running_worker
+from worker.engines.native.model import ModelConfig
+from worker.engines.native.pacer import MIN_CHUNK, PrefillPacer
+from worker.gen.cyllm.inference.v1 import inference_pb2 as pb
+from worker.server import INFERENCE_SERVICE
+
+LONG_PROMPT_TOKENS = 7_800  # the embedded model's context is 8,192
+
+
+def test_pacer_cuts_chunks_to_its_time_and_shrinks_them_as_the_context_grows(embedded_model):
+    pacer = PrefillPacer(ModelConfig.from_folder(embedded_model), target_s=0.25)
+    assert pacer.chunk(0, 5000, 2048, 0.0) == 2048, "no rate measured yet: the token budget alone"
+    pacer.record(pacer.cost(512, 0), 0.5, prefill_tokens=512)  # 512 tokens took 0.5 s
+    early, late = pacer.chunk(0, 8000, 2048, 0.0), pacer.chunk(7000, 1000, 2048, 0.0)
+    assert late < early < 512
+    for cached, chunk in ((0, early), (7000, late)):
+        assert pacer.cost(chunk, cached) / pacer.rate <= 0.25 < pacer.cost(chunk + 1, cached) / pacer.rate
+    assert pacer.chunk(7000, 1000, 2048, step_flops=1e15) == MIN_CHUNK, "a full step still moves the prompt"
+    pacer.record(pacer.cost(8, 0), 10.0, prefill_tokens=8)  # too few prompt tokens to say anything
+    assert pacer.chunk(0, 8000, 2048, 0.0) == early
+
+
+def long_request(**fields) -> pb.PredictRequest:
+    ids = [(i * 7919) % 40_000 + 100 for i in range(LONG_PROMPT_TOKENS)]
+    return pb.PredictRequest(token_ids=pb.TokenIds(ids=ids),
+                             sampling=pb.SamplingParams(max_tokens=8, ignore_eos=True, temperature=0), **fields)
+
+
+async def time_to_first_token(client) -> float:
+    started = time.perf_counter()
+    call = client.inference.StreamPredict(pb.PredictRequest(
+        prompt="What is the capital of France?", sampling=pb.SamplingParams(max_tokens=4, temperature=0)))
+    async for response in call:
+        if response.text:
+            call.cancel()
+            break
+    return time.perf_counter() - started
+
+
+async def test_a_long_prefill_keeps_the_worker_ready_and_a_cancel_frees_it_at_the_next_chunk(embedded_model):
+    async with running_worker(**{"engine.name": "native", "engine.model": str(embedded_model),
+                                 "server.progress_timeout_s": 2}) as (worker, client):
+        baseline = min([await time_to_first_token(client) for _ in range(3)])
+        engine = worker.engine
+        chunks_before = engine.last_step_at
+
+        # A deadline that passes mid-prefill ends the call, and the engine drops it at once.
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await client.collect(long_request(), timeout=2.0)
+        assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        after_deadline = await time_to_first_token(client)
+        assert engine.last_step_at > chunks_before
+
+        # Several times the progress timeout of prefill, no output: still ready, steps completing.
+        call = client.inference.StreamPredict(long_request())
+        reader = asyncio.ensure_future(call.read())
+        statuses, step_gaps, last_step = [], [], engine.last_step_at
+        for _ in range(24):
+            await asyncio.sleep(0.25)
+            reply = await client.health.Check(health_pb2.HealthCheckRequest(service=INFERENCE_SERVICE))
+            statuses.append(reply.status)
+            step_gaps.append(engine.last_step_at - last_step)
+            last_step = engine.last_step_at
+        assert not reader.done(), "the prompt is still being prefilled"
+        assert set(statuses) == {health_pb2.HealthCheckResponse.SERVING}
+        assert sum(gap > 0 for gap in step_gaps) >= 12, f"prefill chunks should complete often: {step_gaps}"
+        assert engine.num_unfinished() == 1
+        call.cancel()
+        after_cancel = await time_to_first_token(client)
+        assert engine.num_unfinished() == 0
+        # The short request waited for at most the chunk that was running (about 0.25 s here).
+        assert after_deadline < baseline + 1.0 and after_cancel < baseline + 1.0, (baseline, after_deadline, after_cancel)
+        assert (await client.wait_idle()).running == 0
