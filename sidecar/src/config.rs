@@ -68,9 +68,44 @@ pub struct Args {
     /// On SIGTERM, how long open streams may run on before the sidecar exits.
     #[arg(long, env = "CYLLM_SIDECAR_SHUTDOWN_GRACE_S", default_value_t = 30.0)]
     pub shutdown_grace_s: f64,
-    /// How often each worker's GetLoad is read.
+    /// How often each worker's GetLoad is read (it is also the check that the worker answers).
     #[arg(long, env = "CYLLM_SIDECAR_LOAD_POLL_S", default_value_t = 1.0)]
     pub load_poll_s: f64,
+    /// A worker whose GetLoad takes longer than this is unresponsive (stopped, deadlocked, a
+    /// wedged driver call): out of routing and /readyz until it answers again.
+    #[arg(long, env = "CYLLM_SIDECAR_WORKER_PROBE_TIMEOUT_S", default_value_t = 2.0)]
+    pub worker_probe_timeout_s: f64,
+    /// A stream on an unresponsive worker that got no message for this long ends UNAVAILABLE
+    /// (so its client can retry elsewhere); the worker sees it cancelled when it comes back.
+    #[arg(long, env = "CYLLM_SIDECAR_WORKER_STALL_TIMEOUT_S", default_value_t = 10.0)]
+    pub worker_stall_timeout_s: f64,
+    /// HTTP/2 keepalive pings on each worker connection, idle ones too. Must not be shorter than
+    /// the worker's server.keepalive_min_ping_interval_s (read from GetInfo and checked).
+    #[arg(long, env = "CYLLM_SIDECAR_WORKER_KEEPALIVE_INTERVAL_S", default_value_t = 10.0)]
+    pub worker_keepalive_interval_s: f64,
+    /// A ping unanswered this long closes the worker connection and every stream on it.
+    #[arg(long, env = "CYLLM_SIDECAR_WORKER_KEEPALIVE_TIMEOUT_S", default_value_t = 20.0)]
+    pub worker_keepalive_timeout_s: f64,
+    /// HTTP/1 request heads must arrive within this long of their first byte (else the
+    /// connection is closed); 0 for no limit.
+    #[arg(long, env = "CYLLM_SIDECAR_HEADER_READ_TIMEOUT_S", default_value_t = 10.0)]
+    pub header_read_timeout_s: f64,
+    /// A request body must arrive whole within this long of its head (else 408); 0 for no limit.
+    #[arg(long, env = "CYLLM_SIDECAR_BODY_READ_TIMEOUT_S", default_value_t = 30.0)]
+    pub body_read_timeout_s: f64,
+    /// A connection with no request open that sends nothing for this long is closed (HTTP/1
+    /// keep-alive and HTTP/2 alike); 0 for no limit.
+    #[arg(long, env = "CYLLM_SIDECAR_IDLE_TIMEOUT_S", default_value_t = 60.0)]
+    pub idle_timeout_s: f64,
+    /// Open connections per listener (gRPC, HTTP, metrics); one more is closed at once and counted.
+    #[arg(long, env = "CYLLM_SIDECAR_MAX_CONNECTIONS", default_value_t = 4096)]
+    pub max_connections: usize,
+    /// HTTP/2 streams one connection may have open at once (gRPC and HTTP listeners).
+    #[arg(long, env = "CYLLM_SIDECAR_HTTP2_MAX_STREAMS", default_value_t = 256)]
+    pub http2_max_streams: u32,
+    /// Largest request head: HTTP/1 header bytes, HTTP/2 header list size (431 / refused beyond).
+    #[arg(long, env = "CYLLM_SIDECAR_MAX_HEADER_BYTES", default_value_t = 64 * 1024)]
+    pub max_header_bytes: usize,
     /// Runtime worker threads; 0 for one per available core, 1 for a single-threaded runtime.
     #[arg(long, env = "CYLLM_SIDECAR_THREADS", default_value_t = 0)]
     pub threads: usize,
@@ -79,9 +114,26 @@ pub struct Args {
     pub log: String,
 }
 
+/// Seconds to a Duration; 0 (or less) for none.
+pub fn limit(seconds: f64) -> Option<Duration> {
+    (seconds > 0.0).then(|| Duration::from_secs_f64(seconds))
+}
+
 impl Args {
     pub fn http_timeout(&self) -> Option<Duration> {
-        (self.http_timeout_s > 0.0).then(|| Duration::from_secs_f64(self.http_timeout_s))
+        limit(self.http_timeout_s)
+    }
+
+    /// Flag values that cannot work together, found before anything starts.
+    pub fn check(&self) -> anyhow::Result<()> {
+        anyhow::ensure!(self.worker_keepalive_interval_s >= 1.0, "--worker-keepalive-interval-s must be at least 1");
+        anyhow::ensure!(self.worker_keepalive_timeout_s > 0.0, "--worker-keepalive-timeout-s must be positive");
+        anyhow::ensure!(self.worker_probe_timeout_s > 0.0 && self.load_poll_s > 0.0,
+                        "--worker-probe-timeout-s and --load-poll-s must be positive");
+        anyhow::ensure!(self.max_header_bytes >= 8192, "--max-header-bytes must be at least 8192");
+        anyhow::ensure!(self.max_connections >= 1 && self.http2_max_streams >= 1,
+                        "--max-connections and --http2-max-streams must be at least 1");
+        Ok(())
     }
 
     /// Keys from the flag/env and the file, blank lines and comments dropped.

@@ -22,6 +22,10 @@ pub enum SidecarError {
     ShuttingDown,
     #[error("request body is over the {0}-byte limit")]
     TooLarge(usize),
+    #[error("request body not received within {0} s")]
+    BodyTimeout(u64),
+    #[error("worker {0} stopped answering; no message for {1} s")]
+    WorkerStalled(String, u64),
     /// A status the worker returned (or the transport to it), passed on as it is.
     #[error("{}", .0.message())]
     Upstream(tonic::Status),
@@ -34,14 +38,17 @@ impl SidecarError {
             Self::Unauthenticated => Code::Unauthenticated,
             Self::ModelNotFound(_) => Code::NotFound,
             Self::Overloaded(_) | Self::TooLarge(_) => Code::ResourceExhausted,
-            Self::NoWorker(_) | Self::ShuttingDown => Code::Unavailable,
+            Self::NoWorker(_) | Self::ShuttingDown | Self::WorkerStalled(..) => Code::Unavailable,
+            Self::BodyTimeout(_) => Code::DeadlineExceeded,
             Self::Upstream(status) => upstream_code(status),
         }
     }
 
     pub fn http_status(&self) -> StatusCode {
-        if let Self::TooLarge(_) = self {
-            return StatusCode::PAYLOAD_TOO_LARGE;
+        match self {
+            Self::TooLarge(_) => return StatusCode::PAYLOAD_TOO_LARGE,
+            Self::BodyTimeout(_) => return StatusCode::REQUEST_TIMEOUT,
+            _ => {}
         }
         http_status_for(self.code())
     }
@@ -78,7 +85,7 @@ pub fn http_status_for(code: Code) -> StatusCode {
 
 fn openai_type(status: StatusCode) -> &'static str {
     match status.as_u16() {
-        400 | 413 => "invalid_request_error",
+        400 | 408 | 413 => "invalid_request_error",
         401 => "authentication_error",
         404 => "not_found_error",
         429 => "rate_limit_error",

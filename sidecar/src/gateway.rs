@@ -1,6 +1,7 @@
 //! Opening a stream to a worker for one request: choose, call, retry before the first message,
 //! keep the breaker and metrics, and hold a stream slot until the stream is dropped.
 
+use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -43,6 +44,7 @@ pub struct Gateway {
     routing: RoutingMode,
     prefix_bytes: usize,
     max_decoding_bytes: usize,
+    stall_timeout: Duration,
 }
 
 impl Gateway {
@@ -56,6 +58,7 @@ impl Gateway {
             routing: args.routing,
             prefix_bytes: args.prefix_bytes,
             max_decoding_bytes: args.max_request_bytes.max(16 * 1024 * 1024),
+            stall_timeout: Duration::from_secs_f64(args.worker_stall_timeout_s),
         }
     }
 
@@ -107,7 +110,20 @@ impl Gateway {
                 Ok((first, rest)) => {
                     worker.breaker.record_success();
                     let first_at = first.as_ref().map(|_| Instant::now());
-                    return Ok(Upstream { worker, route, started, first_at, first, rest, status: "CANCELLED", _guard: guard, _permit: permit });
+                    return Ok(Upstream {
+                        worker,
+                        route,
+                        started,
+                        deadline,
+                        stall_timeout: self.stall_timeout,
+                        last_message: Instant::now(),
+                        first_at,
+                        first,
+                        rest,
+                        status: "CANCELLED",
+                        _guard: guard,
+                        _permit: permit,
+                    });
                 }
                 Err(status) => {
                     let code = upstream_code(&status);
@@ -160,9 +176,38 @@ impl Gateway {
         if let Some(timeout) = timeout {
             request.set_timeout(timeout);
         }
-        let mut stream = client.stream_predict(request).await?.into_inner();
-        let first = stream.message().await?;
-        Ok((first, stream))
+        let opened = async {
+            let mut stream = client.stream_predict(request).await?.into_inner();
+            let first = stream.message().await?;
+            Ok((first, stream))
+        };
+        // Sent to a worker just before it was found hung: UNAVAILABLE as soon as it is (nothing
+        // reached the client yet), so it is tried elsewhere.
+        unless_stalled(worker, Instant::now(), Duration::ZERO, opened).await.unwrap_or_else(|| {
+            Err(tonic::Status::unavailable(format!("worker {} stopped answering before the first message", worker.name)))
+        })
+    }
+}
+
+/// How often a call waiting on a worker checks whether the worker still answers.
+const STALL_CHECK: Duration = Duration::from_millis(500);
+
+/// `future`'s output, or None once the worker is unresponsive (see pool::poll_load) and nothing
+/// came from it for `stall` since `since`.
+async fn unless_stalled<T>(worker: &Worker, since: Instant, stall: Duration, future: impl Future<Output = T>) -> Option<T> {
+    tokio::pin!(future);
+    // A message already waiting is taken without touching the timer.
+    let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + STALL_CHECK, STALL_CHECK);
+    loop {
+        tokio::select! {
+            biased;
+            value = &mut future => return Some(value),
+            _ = ticker.tick() => {
+                if !worker.is_responsive() && since.elapsed() >= stall {
+                    return None;
+                }
+            }
+        }
     }
 }
 
@@ -188,6 +233,9 @@ pub struct Upstream {
     pub worker: Arc<Worker>,
     route: Route,
     started: Instant,
+    deadline: Option<Instant>,
+    stall_timeout: Duration,
+    last_message: Instant,
     first_at: Option<Instant>,
     first: Option<PredictResponse>,
     rest: Streaming<PredictResponse>,
@@ -197,12 +245,22 @@ pub struct Upstream {
 }
 
 impl Upstream {
-    /// The next message; None once the worker ended the stream with OK.
+    /// The next message; None once the worker ended the stream with OK. A stream whose worker
+    /// stopped answering (see pool::poll_load) and that got nothing for the stall timeout ends
+    /// UNAVAILABLE; dropping it resets the worker's call, which the worker sees when it is back.
     pub async fn next(&mut self) -> Option<Result<PredictResponse, SidecarError>> {
         if let Some(first) = self.first.take() {
             return Some(Ok(first));
         }
-        match self.rest.message().await {
+        let Some(received) = unless_stalled(&self.worker, self.last_message, self.stall_timeout, self.rest.message()).await
+        else {
+            let error = SidecarError::WorkerStalled(self.worker.name.clone(), self.last_message.elapsed().as_secs());
+            tracing::warn!(worker = %self.worker.name, "stream ended: its worker stopped answering");
+            self.status = code_name(error.code());
+            return Some(Err(error));
+        };
+        self.last_message = Instant::now();
+        match received {
             Ok(Some(message)) => {
                 self.first_at.get_or_insert_with(Instant::now);
                 Some(Ok(message))
@@ -222,11 +280,17 @@ impl Upstream {
 
 impl Drop for Upstream {
     fn drop(&mut self) {
-        record_end(self.route, &self.worker.name, self.status, self.started, self.first_at);
+        // A client whose deadline passed mid-stream resets the call: that is its deadline, not a cancel.
+        let past_deadline = self.deadline.is_some_and(|d| Instant::now() + DEADLINE_SLACK >= d);
+        let status = if self.status == "CANCELLED" && past_deadline { "DEADLINE_EXCEEDED" } else { self.status };
+        record_end(self.route, &self.worker.name, status, self.started, self.first_at);
     }
 }
 
-fn record_end(route: Route, worker: &str, status: &'static str, started: Instant, first_at: Option<Instant>) {
+/// A stream dropped this close to its deadline ended by it (the client's clock runs a little ahead).
+const DEADLINE_SLACK: Duration = Duration::from_millis(50);
+
+pub fn record_end(route: Route, worker: &str, status: &'static str, started: Instant, first_at: Option<Instant>) {
     let route = route.as_str();
     metrics::counter!("cyllm_sidecar_requests_total", "route" => route, "status" => status, "worker" => worker.to_string())
         .increment(1);

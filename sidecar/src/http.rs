@@ -2,23 +2,24 @@
 
 use std::convert::Infallible;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, Request, State};
-use axum::http::{header, HeaderMap, StatusCode};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use http_body_util::{BodyExt, LengthLimitError, Limited};
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 
 use crate::auth::ApiKeys;
 use crate::error::{openai_error_body, SidecarError};
-use crate::gateway::{Gateway, Route};
+use crate::gateway::{code_name, record_end, Gateway, Route};
 use crate::openai::{finish_reason, usage, ChatRequest, CompletionRequest};
 use crate::proto::PredictRequest;
 
@@ -26,21 +27,40 @@ pub struct HttpState {
     pub gateway: Arc<Gateway>,
     pub keys: ApiKeys,
     pub timeout: Option<Duration>,
+    /// How long a request body may take to arrive whole.
+    pub body_timeout: Option<Duration>,
     pub max_body_bytes: usize,
 }
 
 pub fn app(state: Arc<HttpState>) -> Router {
+    // Layers run bottom-up: the key is checked before the body is read.
     let api = Router::new()
         .route("/v1/models", get(models))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
+        .route_layer(middleware::from_fn_with_state(state.clone(), read_body))
         .route_layer(middleware::from_fn_with_state(state.clone(), require_key));
     Router::new()
         .route("/healthz", get(|| async { "ok" }))
+        .route("/health", get(|| async { "ok" })) // vLLM's name, which OpenAI-server tools probe
         .route("/readyz", get(readyz))
         .merge(api)
         .layer(DefaultBodyLimit::max(state.max_body_bytes))
         .with_state(state)
+}
+
+/// The route a request's path names, for metric labels.
+fn route_of(path: &str) -> Route {
+    match path {
+        "/v1/chat/completions" => Route::ChatCompletions,
+        _ => Route::Completions,
+    }
+}
+
+/// An error answered by the sidecar itself, counted like any other request's end.
+fn refuse(route: Route, error: SidecarError) -> Response {
+    record_end(route, "none", code_name(error.code()), Instant::now(), None);
+    error.into_response()
 }
 
 async fn require_key(State(state): State<Arc<HttpState>>, request: Request, next: Next) -> Response {
@@ -50,7 +70,31 @@ async fn require_key(State(state): State<Arc<HttpState>>, request: Request, next
     if state.keys.check_header(authorization, api_key) {
         next.run(request).await
     } else {
-        SidecarError::Unauthenticated.into_response()
+        refuse(route_of(request.uri().path()), SidecarError::Unauthenticated)
+    }
+}
+
+/// Reads the whole body within the body timeout and the size limit: a client that declares a
+/// body and sends it slowly (or never) gets 408 and its connection closed, instead of holding it.
+async fn read_body(State(state): State<Arc<HttpState>>, request: Request, next: Next) -> Response {
+    let route = route_of(request.uri().path());
+    let (parts, body) = request.into_parts();
+    let read = Limited::new(body, state.max_body_bytes).collect();
+    let collected = match state.body_timeout {
+        Some(timeout) => match tokio::time::timeout(timeout, read).await {
+            Ok(collected) => collected,
+            Err(_) => {
+                let mut response = refuse(route, SidecarError::BodyTimeout(timeout.as_secs()));
+                response.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
+                return response;
+            }
+        },
+        None => read.await,
+    };
+    match collected {
+        Ok(collected) => next.run(Request::from_parts(parts, axum::body::Body::from(collected.to_bytes()))).await,
+        Err(error) if error.downcast_ref::<LengthLimitError>().is_some() => refuse(route, SidecarError::TooLarge(state.max_body_bytes)),
+        Err(error) => refuse(route, SidecarError::InvalidRequest(format!("could not read the request body: {error}"))),
     }
 }
 
@@ -59,7 +103,10 @@ async fn readyz(State(state): State<Arc<HttpState>>) -> Response {
     let workers: Vec<Value> = pool
         .workers
         .iter()
-        .map(|w| json!({"name": w.name, "socket": w.socket.display().to_string(), "ready": w.is_ready(), "models": w.models()}))
+        .map(|w| {
+            json!({"name": w.name, "socket": w.socket.display().to_string(), "ready": w.is_ready(), "models": w.models(),
+                   "problem": w.problem()})
+        })
         .collect();
     let ready = pool.is_ready() && !state.gateway.is_shutting_down();
     let status = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
@@ -92,12 +139,12 @@ async fn completions(State(state): State<Arc<HttpState>>, headers: HeaderMap, bo
     let id = format!("cmpl-{}", uuid::Uuid::new_v4().simple());
     let request: CompletionRequest = match parse(body, state.max_body_bytes) {
         Ok(request) => request,
-        Err(error) => return error.into_response(),
+        Err(error) => return refuse(Route::Completions, error),
     };
     let (stream, include_usage) = (request.sampling.stream, request.sampling.include_usage());
     match request.into_proto(&id).and_then(|proto| with_adapter(proto, &headers)) {
         Ok(proto) => respond(state, proto, Route::Completions, id, stream, include_usage).await,
-        Err(error) => error.into_response(),
+        Err(error) => refuse(Route::Completions, error),
     }
 }
 
@@ -105,12 +152,12 @@ async fn chat_completions(State(state): State<Arc<HttpState>>, headers: HeaderMa
     let id = format!("chatcmpl-{}", uuid::Uuid::new_v4().simple());
     let request: ChatRequest = match parse(body, state.max_body_bytes) {
         Ok(request) => request,
-        Err(error) => return error.into_response(),
+        Err(error) => return refuse(Route::ChatCompletions, error),
     };
     let (stream, include_usage) = (request.sampling.stream, request.sampling.include_usage());
     match request.into_proto(&id).and_then(|proto| with_adapter(proto, &headers)) {
         Ok(proto) => respond(state, proto, Route::ChatCompletions, id, stream, include_usage).await,
-        Err(error) => error.into_response(),
+        Err(error) => refuse(Route::ChatCompletions, error),
     }
 }
 
@@ -220,13 +267,18 @@ mod tests {
     use crate::pool::{Pool, Worker};
     use axum::body::Body;
     use clap::Parser;
-    use http_body_util::BodyExt;
     use tower::ServiceExt;
 
     fn state(keys: Vec<String>, ready: bool) -> Arc<HttpState> {
         let args = Args::parse_from(["cy-llm-sidecar", "--worker", "unix:///tmp/w0.sock", "--max-request-bytes", "1024"]);
         let pool = Arc::new(Pool { workers: vec![Arc::new(Worker::fake("w0", &["smol"], ready))] });
-        Arc::new(HttpState { gateway: Arc::new(Gateway::new(pool, &args)), keys: ApiKeys::new(keys), timeout: None, max_body_bytes: 1024 })
+        Arc::new(HttpState {
+            gateway: Arc::new(Gateway::new(pool, &args)),
+            keys: ApiKeys::new(keys),
+            timeout: None,
+            body_timeout: Some(Duration::from_millis(200)),
+            max_body_bytes: 1024,
+        })
     }
 
     async fn call(app: Router, method: &str, uri: &str, body: &str, key: Option<&str>) -> (StatusCode, Value) {
@@ -271,6 +323,25 @@ mod tests {
         let (status, json) = call(app(state(vec![], true)), "POST", "/v1/completions", &big, None).await;
         assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE);
         assert_eq!(json["error"]["type"], "invalid_request_error");
+    }
+
+    #[tokio::test]
+    async fn a_body_that_does_not_arrive_in_time_is_refused_408() {
+        // Declares 100 bytes, sends 10, then nothing.
+        let (mut sender, body) = futures::channel::mpsc::channel::<Result<Bytes, std::io::Error>>(1);
+        sender.try_send(Ok(Bytes::from_static(b"{\"prompt\":"))).unwrap();
+        let request = axum::http::Request::post("/v1/completions")
+            .header("content-type", "application/json")
+            .header("content-length", "100")
+            .body(Body::from_stream(body))
+            .unwrap();
+        let started = std::time::Instant::now();
+        let response = app(state(vec![], true)).oneshot(request).await.unwrap();
+        assert_eq!(response.status(), StatusCode::REQUEST_TIMEOUT);
+        assert_eq!(response.headers()["connection"], "close");
+        assert!(started.elapsed() < Duration::from_secs(2));
+        drop(sender);
+        assert_eq!(call(app(state(vec![], false)), "GET", "/health", "", None).await.0, StatusCode::OK);
     }
 
     #[tokio::test]

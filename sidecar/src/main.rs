@@ -7,6 +7,7 @@ mod error;
 mod gateway;
 mod grpc;
 mod http;
+mod listener;
 mod metrics;
 mod openai;
 mod pool;
@@ -27,7 +28,8 @@ use crate::auth::ApiKeys;
 use crate::config::Args;
 use crate::gateway::Gateway;
 use crate::grpc::{auth_interceptor, InferenceProxy};
-use crate::pool::Pool;
+use crate::listener::{Limits, Listener};
+use crate::pool::{Pool, Watch};
 use crate::proto::inference_service_server::InferenceServiceServer;
 
 fn main() -> anyhow::Result<()> {
@@ -53,40 +55,54 @@ async fn serve(args: Args) -> anyhow::Result<()> {
         .with_env_filter(tracing_subscriber::EnvFilter::try_new(&args.log)?)
         .with_writer(std::io::stderr)
         .init();
+    args.check()?;
     let keys = ApiKeys::new(args.load_api_keys()?);
     let auth_enabled = keys.enabled();
     let handle = metrics::install()?;
-    let pool = Arc::new(Pool::new(&args.workers, args.breaker_failures, Duration::from_secs_f64(args.breaker_cooldown_s))?);
-    pool.spawn_watchers(Duration::from_secs_f64(args.load_poll_s));
+    let watch = Watch::from_args(&args);
+    let pool = Arc::new(Pool::new(&args, &watch)?);
+    pool.spawn_watchers(&watch);
     let gateway = Arc::new(Gateway::new(pool.clone(), &args));
     let (stop_tx, stop_rx) = watch::channel(false);
 
     let (health, health_service) = tonic_health::server::health_reporter();
     tokio::spawn(report_health(health, gateway.clone(), stop_rx.clone()));
+    // Only what this process serves: the proto's file also describes WorkerControl, which the
+    // workers serve and the sidecar does not.
     let reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(proto::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .with_service_name(proto::INFERENCE_SERVICE)
+        .with_service_name("grpc.health.v1.Health")
         .build_v1()?;
     let inference = InferenceServiceServer::new(InferenceProxy { gateway: gateway.clone() })
         .max_decoding_message_size(args.max_request_bytes);
+    let limits = Limits::from_args(&args);
+    let grpc_listener = Arc::new(Listener::bind(args.grpc_addr, "grpc", limits).await?);
     let grpc = tonic::transport::Server::builder()
+        .max_concurrent_streams(limits.http2_max_streams)
+        .http2_max_header_list_size(u32::try_from(limits.max_header_bytes).unwrap_or(u32::MAX))
+        // Finds clients that vanished without closing (their streams are then cancelled).
+        .http2_keepalive_interval(Some(Duration::from_secs(30)))
+        .http2_keepalive_timeout(Some(Duration::from_secs(20)))
         .layer(tower::util::MapResponseLayer::new(grpc::contract_status))
         .add_service(health_service)
         .add_service(reflection)
         .add_service(InterceptedService::new(inference, auth_interceptor(keys.clone())))
-        .serve_with_shutdown(args.grpc_addr, stopped(stop_rx.clone()));
+        .serve_with_incoming_shutdown(grpc_listener.incoming(), stopped(stop_rx.clone()));
 
     let http_state = Arc::new(http::HttpState {
         gateway: gateway.clone(),
         keys,
         timeout: args.http_timeout(),
+        body_timeout: config::limit(args.body_read_timeout_s),
         max_body_bytes: args.max_request_bytes,
     });
-    let http_listener = tokio::net::TcpListener::bind(args.http_addr).await?;
-    let http = axum::serve(http_listener, http::app(http_state)).with_graceful_shutdown(stopped(stop_rx.clone()));
-    let metrics_listener = tokio::net::TcpListener::bind(args.metrics_addr).await?;
+    let http_listener = Listener::bind(args.http_addr, "http", limits).await?;
+    let http = listener::serve_http(http_listener, http::app(http_state), stop_rx.clone());
+    let metrics_listener = Listener::bind(args.metrics_addr, "metrics", limits).await?;
     let metrics_app = metrics::app(metrics::MetricsState { handle, gateway: gateway.clone() });
-    let metrics_server = axum::serve(metrics_listener, metrics_app).with_graceful_shutdown(stopped(stop_rx.clone()));
+    let metrics_server = listener::serve_http(metrics_listener, metrics_app, stop_rx.clone());
     tracing::info!(grpc = %args.grpc_addr, http = %args.http_addr, metrics = %args.metrics_addr,
                    workers = ?args.workers, auth = auth_enabled, "listening");
 

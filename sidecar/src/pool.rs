@@ -16,8 +16,48 @@ use tonic_health::pb::HealthCheckRequest;
 use tower::service_fn;
 
 use crate::breaker::Breaker;
+use crate::config::Args;
 use crate::proto::worker_control_client::WorkerControlClient;
-use crate::proto::{GetInfoRequest, GetLoadRequest, INFERENCE_SERVICE};
+use crate::proto::{GetInfoRequest, GetLoadRequest, WorkerInfo, INFERENCE_SERVICE};
+
+/// How the sidecar talks to and watches its workers (from the flags).
+#[derive(Clone, Debug)]
+pub struct Watch {
+    pub keepalive_interval: Duration,
+    pub keepalive_timeout: Duration,
+    pub load_poll: Duration,
+    pub probe_timeout: Duration,
+}
+
+impl Watch {
+    pub fn from_args(args: &Args) -> Self {
+        Self {
+            keepalive_interval: Duration::from_secs_f64(args.worker_keepalive_interval_s),
+            keepalive_timeout: Duration::from_secs_f64(args.worker_keepalive_timeout_s),
+            load_poll: Duration::from_secs_f64(args.load_poll_s),
+            probe_timeout: Duration::from_secs_f64(args.worker_probe_timeout_s),
+        }
+    }
+
+    /// Why this sidecar's pings would get the worker's connection closed, if they would.
+    pub fn keepalive_conflict(&self, info: &WorkerInfo) -> Option<String> {
+        let interval_ms = self.keepalive_interval.as_millis();
+        if u128::from(info.min_ping_interval_ms) > interval_ms {
+            return Some(format!(
+                "the worker accepts a ping every {} ms at most and this sidecar pings every {interval_ms} ms: it \
+                 would close the connection, and every stream on it, after a silence; raise \
+                 --worker-keepalive-interval-s or lower the worker's server.keepalive_min_ping_interval_s",
+                info.min_ping_interval_ms
+            ));
+        }
+        if info.min_ping_interval_ms > 0 && !info.permit_pings_without_calls {
+            return Some("the worker refuses pings on idle connections (server.keepalive_permit_without_calls: \
+                         false), which this sidecar sends to notice a hung worker"
+                .into());
+        }
+        None
+    }
+}
 
 pub struct Worker {
     /// Short label for metrics and logs: w0, w1, ...
@@ -26,19 +66,26 @@ pub struct Worker {
     pub channel: Channel,
     pub breaker: Breaker,
     models: RwLock<Vec<String>>,
+    /// The worker's own health: its inference service SERVING.
     ready: AtomicBool,
+    /// It answered its last GetLoad within the probe timeout.
+    responsive: AtomicBool,
+    /// Set when the worker's settings and this sidecar's cannot work together.
+    misconfigured: RwLock<Option<String>>,
     outstanding: AtomicUsize,
     remote_load: AtomicU64,
 }
 
 impl Worker {
-    pub fn new(name: String, uri: &str, breaker: Breaker) -> anyhow::Result<Self> {
+    pub fn new(name: String, uri: &str, breaker: Breaker, watch: &Watch) -> anyhow::Result<Self> {
         let socket = socket_path(uri)?;
         let path = socket.clone();
         // The URI is a placeholder: the connector dials the Unix socket whatever it says.
         let channel = Endpoint::try_from("http://worker.local")?
             .connect_timeout(Duration::from_secs(2))
-            .http2_keep_alive_interval(Duration::from_secs(10))
+            .http2_keep_alive_interval(watch.keepalive_interval)
+            .keep_alive_timeout(watch.keepalive_timeout)
+            .keep_alive_while_idle(true)
             .connect_with_connector_lazy(service_fn(move |_: Uri| {
                 let path = path.clone();
                 async move { Ok::<_, std::io::Error>(TokioIo::new(UnixStream::connect(path).await?)) }
@@ -50,6 +97,8 @@ impl Worker {
             breaker,
             models: RwLock::new(Vec::new()),
             ready: AtomicBool::new(false),
+            responsive: AtomicBool::new(true),
+            misconfigured: RwLock::new(None),
             outstanding: AtomicUsize::new(0),
             remote_load: AtomicU64::new(0),
         })
@@ -58,19 +107,39 @@ impl Worker {
     /// A worker with a fixed model list, for routing tests.
     #[cfg(test)]
     pub fn fake(name: &str, models: &[&str], ready: bool) -> Self {
-        let worker = Self::new(name.into(), &format!("unix:///tmp/{name}.sock"), Breaker::new(3, Duration::from_secs(1)))
+        let args = <Args as clap::Parser>::parse_from(["cy-llm-sidecar", "--worker", "unix:///tmp/w.sock"]);
+        let worker = Self::new(name.into(), &format!("unix:///tmp/{name}.sock"), Breaker::new(3, Duration::from_secs(1)),
+                               &Watch::from_args(&args))
             .unwrap();
         *worker.models.write().unwrap() = models.iter().map(|m| m.to_string()).collect();
         worker.ready.store(ready, Ordering::SeqCst);
         worker
     }
 
+    /// Routable: SERVING, answering, and configured to work with this sidecar.
     pub fn is_ready(&self) -> bool {
-        self.ready.load(Ordering::Acquire)
+        self.ready.load(Ordering::Acquire) && self.is_responsive() && self.misconfigured.read().unwrap().is_none()
     }
 
     pub fn set_ready(&self, ready: bool) {
         self.ready.store(ready, Ordering::Release);
+    }
+
+    pub fn is_responsive(&self) -> bool {
+        self.responsive.load(Ordering::Acquire)
+    }
+
+    #[cfg(test)]
+    pub fn set_responsive(&self, responsive: bool) {
+        self.responsive.store(responsive, Ordering::Release);
+    }
+
+    /// Why a worker that may be up is not routed to: unresponsive or misconfigured.
+    pub fn problem(&self) -> Option<String> {
+        if !self.is_responsive() {
+            return Some("unresponsive: GetLoad not answered within the probe timeout".into());
+        }
+        self.misconfigured.read().unwrap().clone()
     }
 
     pub fn models(&self) -> Vec<String> {
@@ -120,11 +189,13 @@ pub struct Pool {
 }
 
 impl Pool {
-    pub fn new(uris: &[String], breaker_failures: u32, breaker_cooldown: Duration) -> anyhow::Result<Self> {
-        let workers = uris
+    pub fn new(args: &Args, watch: &Watch) -> anyhow::Result<Self> {
+        let cooldown = Duration::from_secs_f64(args.breaker_cooldown_s);
+        let workers = args
+            .workers
             .iter()
             .enumerate()
-            .map(|(i, uri)| Worker::new(format!("w{i}"), uri, Breaker::new(breaker_failures, breaker_cooldown)).map(Arc::new))
+            .map(|(i, uri)| Worker::new(format!("w{i}"), uri, Breaker::new(args.breaker_failures, cooldown), watch).map(Arc::new))
             .collect::<anyhow::Result<Vec<_>>>()?;
         Ok(Self { workers })
     }
@@ -154,19 +225,19 @@ impl Pool {
             && models.iter().all(|m| self.workers.iter().any(|w| w.is_ready() && w.serves(m)))
     }
 
-    /// Keeps each worker's models, readiness and load current until the process ends.
-    pub fn spawn_watchers(&self, load_poll: Duration) {
+    /// Keeps each worker's models, readiness, responsiveness and load current until the process ends.
+    pub fn spawn_watchers(&self, watch: &Watch) {
         for worker in &self.workers {
-            tokio::spawn(watch_health(worker.clone()));
-            tokio::spawn(poll_load(worker.clone(), load_poll));
+            tokio::spawn(watch_health(worker.clone(), watch.clone()));
+            tokio::spawn(poll_load(worker.clone(), watch.clone()));
         }
     }
 }
 
-async fn watch_health(worker: Arc<Worker>) {
+async fn watch_health(worker: Arc<Worker>, watch: Watch) {
     let mut backoff = Duration::from_millis(100);
     loop {
-        match watch_once(&worker).await {
+        match watch_once(&worker, &watch).await {
             Ok(()) => backoff = Duration::from_millis(100),
             Err(error) => tracing::debug!(worker = %worker.name, %error, "health watch ended"),
         }
@@ -181,7 +252,7 @@ async fn watch_health(worker: Arc<Worker>) {
 
 /// Follows the inference service's health until the stream breaks, reading the worker's models
 /// (GetInfo) each time it turns ready: a worker still loading has none to report yet.
-async fn watch_once(worker: &Arc<Worker>) -> Result<(), tonic::Status> {
+async fn watch_once(worker: &Arc<Worker>, watch: &Watch) -> Result<(), tonic::Status> {
     let mut control = WorkerControlClient::new(worker.channel.clone());
     let mut health = HealthClient::new(worker.channel.clone());
     let mut updates =
@@ -189,7 +260,16 @@ async fn watch_once(worker: &Arc<Worker>) -> Result<(), tonic::Status> {
     while let Some(update) = updates.message().await? {
         let ready = update.status == ServingStatus::Serving as i32;
         if ready {
-            *worker.models.write().unwrap() = control.get_info(GetInfoRequest {}).await?.into_inner().models;
+            let info = control.get_info(GetInfoRequest {}).await?.into_inner();
+            let conflict = watch.keepalive_conflict(&info);
+            if let Some(conflict) = &conflict {
+                tracing::error!(worker = %worker.name, %conflict, "worker not routed to: keepalive settings conflict");
+            } else if info.min_ping_interval_ms == 0 {
+                tracing::warn!(worker = %worker.name, "worker reports no keepalive policy (an older worker?); \
+                               it may close long silent streams");
+            }
+            *worker.misconfigured.write().unwrap() = conflict;
+            *worker.models.write().unwrap() = info.models;
         }
         if ready != worker.is_ready() {
             tracing::info!(worker = %worker.name, ready, models = ?worker.models(), "worker readiness");
@@ -199,20 +279,65 @@ async fn watch_once(worker: &Arc<Worker>) -> Result<(), tonic::Status> {
     Ok(())
 }
 
-async fn poll_load(worker: Arc<Worker>, every: Duration) {
+/// Reads the worker's load, and so finds out whether it answers at all: a stopped or wedged
+/// worker keeps its socket and its health Watch stream open and simply goes quiet.
+async fn poll_load(worker: Arc<Worker>, watch: Watch) {
     let mut control = WorkerControlClient::new(worker.channel.clone());
-    let mut ticker = tokio::time::interval(every);
+    let mut ticker = tokio::time::interval(watch.load_poll);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         ticker.tick().await;
-        if !worker.is_ready() {
-            continue;
+        if !worker.ready.load(Ordering::Acquire) {
+            continue; // not serving (loading, or gone): the health watch says so already
         }
         let mut request = tonic::Request::new(GetLoadRequest {});
-        request.set_timeout(Duration::from_secs(1));
-        if let Ok(load) = control.get_load(request).await {
-            let load = load.into_inner();
-            worker.remote_load.store(u64::from(load.running + load.queued), Ordering::Relaxed);
+        request.set_timeout(watch.probe_timeout);
+        let answered = match tokio::time::timeout(watch.probe_timeout, control.get_load(request)).await {
+            Ok(Ok(load)) => {
+                let load = load.into_inner();
+                worker.remote_load.store(u64::from(load.running + load.queued), Ordering::Relaxed);
+                true
+            }
+            // An error is an answer (the health watch handles a worker that went away); silence is not.
+            Ok(Err(status)) => !matches!(status.code(), tonic::Code::DeadlineExceeded | tonic::Code::Cancelled),
+            Err(_) => false,
+        };
+        if answered != worker.is_responsive() {
+            worker.responsive.store(answered, Ordering::Release);
+            if answered {
+                tracing::info!(worker = %worker.name, "worker answers again; routed to");
+            } else {
+                metrics::counter!("cyllm_sidecar_worker_unresponsive_total", "worker" => worker.name.clone()).increment(1);
+                tracing::warn!(worker = %worker.name, socket = %worker.socket.display(),
+                               probe_timeout_s = watch.probe_timeout.as_secs_f64(), "worker unresponsive; not routed to");
+            }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn keepalive_settings_are_checked_against_the_worker_s() {
+        let args = <Args as clap::Parser>::parse_from(["cy-llm-sidecar", "--worker", "unix:///tmp/w.sock"]);
+        let watch = Watch::from_args(&args);
+        let info = |ms, idle| WorkerInfo { min_ping_interval_ms: ms, permit_pings_without_calls: idle, ..Default::default() };
+        assert_eq!(watch.keepalive_conflict(&info(5_000, true)), None);
+        assert_eq!(watch.keepalive_conflict(&info(10_000, true)), None, "equal to the interval is accepted");
+        let strict = watch.keepalive_conflict(&info(300_000, true)).unwrap();
+        assert!(strict.contains("300000 ms") && strict.contains("--worker-keepalive-interval-s"), "{strict}");
+        assert!(watch.keepalive_conflict(&info(5_000, false)).unwrap().contains("idle connections"));
+        assert_eq!(watch.keepalive_conflict(&info(0, false)), None, "a worker that reports nothing is not refused");
+
+        let worker = Worker::fake("w0", &["m"], true);
+        assert!(worker.is_ready() && worker.problem().is_none());
+        worker.set_responsive(false);
+        assert!(!worker.is_ready());
+        assert!(worker.problem().unwrap().contains("unresponsive"));
+        worker.set_responsive(true);
+        *worker.misconfigured.write().unwrap() = Some(strict);
+        assert!(!worker.is_ready());
     }
 }
