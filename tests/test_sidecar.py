@@ -278,3 +278,17 @@ def test_a_sidecar_started_before_its_worker_learns_the_models_when_it_turns_rea
     front.wait_ready()
     client = openai.OpenAI(base_url=f"{front.http}/v1", api_key="unused", max_retries=0)
     assert client.completions.create(model="synthetic", prompt="x", max_tokens=3).usage.completion_tokens == 3
+
+
+def test_reflection_lists_what_the_sidecar_serves(one_worker):
+    from grpc_reflection.v1alpha import reflection_pb2
+
+    _, front = one_worker
+    with grpc.insecure_channel(f"127.0.0.1:{front.grpc_port}") as channel:
+        # v1's messages are v1alpha's under another service name; Python's client speaks v1alpha.
+        info = channel.stream_stream("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+                                     request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+                                     response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)
+        reply = next(info(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10))
+    services = {service.name for service in reply.list_services_response.service}
+    assert services == {"cyllm.inference.v1.InferenceService", "grpc.health.v1.Health"}, services

@@ -111,44 +111,53 @@ impl Listener {
     }
 
     /// Connections for tonic: each must send its first bytes within the header timeout.
-    pub fn incoming(self: Arc<Self>) -> impl Stream<Item = io::Result<FirstBytes>> {
+    pub fn incoming(self: Arc<Self>) -> impl Stream<Item = io::Result<Conn>> {
         async_stream::stream! {
             loop {
-                let (stream, slot) = self.accept().await;
+                let (io, slot) = self.accept().await;
                 let deadline = self.limits.header_read_timeout.map(|t| Box::pin(tokio::time::sleep(t)));
-                yield Ok(FirstBytes { io: stream, deadline, listener: self.name, _slot: slot });
+                yield Ok(Conn { io, watch: Watch::FirstBytes { deadline, listener: self.name }, _slot: slot });
             }
         }
     }
 }
 
-/// A gRPC connection that has `deadline` to send its first bytes (an HTTP/2 preface).
-pub struct FirstBytes {
+/// An accepted connection, holding its listener slot, whose reads are watched.
+pub struct Conn {
     io: TcpStream,
-    deadline: Option<Pin<Box<Sleep>>>,
-    listener: &'static str,
+    watch: Watch,
     _slot: Slot,
 }
 
-impl AsyncRead for FirstBytes {
-    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+enum Watch {
+    /// gRPC: its first bytes (an HTTP/2 preface) must come before the deadline.
+    FirstBytes { deadline: Option<Pin<Box<Sleep>>>, listener: &'static str },
+    /// HTTP: its Activity hears of every read.
+    Requests(Arc<Activity>),
+}
+
+impl AsyncRead for Conn {
+    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
         let before = buf.filled().len();
-        let result = Pin::new(&mut self.io).poll_read(cx, buf);
-        if buf.filled().len() > before {
-            self.deadline = None;
-        } else if result.is_pending() {
-            if let Some(deadline) = self.deadline.as_mut() {
+        let result = Pin::new(&mut this.io).poll_read(cx, buf);
+        let got_bytes = buf.filled().len() > before;
+        match &mut this.watch {
+            Watch::Requests(activity) if got_bytes => activity.read_some(),
+            Watch::FirstBytes { deadline, .. } if got_bytes => *deadline = None,
+            Watch::FirstBytes { deadline: Some(deadline), listener } if result.is_pending() => {
                 if deadline.as_mut().poll(cx).is_ready() {
-                    closed_for(self.listener, "header");
+                    closed_for(listener, "header");
                     return Poll::Ready(Err(io::Error::new(io::ErrorKind::TimedOut, "nothing received")));
                 }
             }
+            _ => {}
         }
         result
     }
 }
 
-impl AsyncWrite for FirstBytes {
+impl AsyncWrite for Conn {
     fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
         Pin::new(&mut self.io).poll_write(cx, buf)
     }
@@ -162,7 +171,7 @@ impl AsyncWrite for FirstBytes {
     }
 }
 
-impl Connected for FirstBytes {
+impl Connected for Conn {
     type ConnectInfo = TcpConnectInfo;
 
     fn connect_info(&self) -> Self::ConnectInfo {
@@ -251,37 +260,6 @@ impl HttpBody for Guarded {
     }
 }
 
-/// A TCP stream that tells its connection's Activity when bytes arrive.
-struct Watched {
-    io: TcpStream,
-    activity: Arc<Activity>,
-}
-
-impl AsyncRead for Watched {
-    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
-        let before = buf.filled().len();
-        let result = Pin::new(&mut self.io).poll_read(cx, buf);
-        if buf.filled().len() > before {
-            self.activity.read_some();
-        }
-        result
-    }
-}
-
-impl AsyncWrite for Watched {
-    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write(cx, buf)
-    }
-
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.io).poll_flush(cx)
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.io).poll_shutdown(cx)
-    }
-}
-
 /// Resolves when the connection has been waiting past its deadline, with the phase it was in.
 async fn expired(activity: &Activity, limits: &Limits) -> &'static str {
     loop {
@@ -318,7 +296,6 @@ pub async fn serve_http(listener: Listener, app: Router, mut stop: watch::Receiv
         };
         let (app, builder, mut stop, name) = (app.clone(), builder.clone(), stop.clone(), listener.name);
         tokio::spawn(async move {
-            let _slot = slot;
             let activity = Activity::new();
             let requests = activity.clone();
             let service = hyper::service::service_fn(move |request: hyper::Request<Incoming>| {
@@ -329,7 +306,7 @@ pub async fn serve_http(listener: Listener, app: Router, mut stop: watch::Receiv
                     Ok::<_, Infallible>(response.map(|inner| Body::new(Guarded { inner, _guard: guard })))
                 }
             });
-            let io = TokioIo::new(Watched { io: stream, activity: activity.clone() });
+            let io = TokioIo::new(Conn { io: stream, watch: Watch::Requests(activity.clone()), _slot: slot });
             let connection = builder.serve_connection_with_upgrades(io, service);
             tokio::pin!(connection);
             tokio::select! {
