@@ -37,13 +37,17 @@ ENTRYPOINT ["/usr/bin/prometheus"]
 
 
 def system_tools() -> None:
-    missing = [t for t in ("podman", "buildah", "runc", "debootstrap") if shutil.which(t) is None]
+    # iptables (netavark, podman's network backend, runs it for every container's network) and
+    # catatonit (the pause process of `podman kube play`'s pods) are Recommends of podman's, so
+    # --no-install-recommends leaves them out where the machine's image lacks them.
+    tools = ("podman", "buildah", "runc", "debootstrap", "iptables", "catatonit")
+    missing = [t for t in tools if shutil.which(t) is None]
     if missing:
         if os.geteuid() != 0 or shutil.which("apt-get") is None:
             raise SystemExit(f"needs {', '.join(missing)}: run as root on Debian, or install them")
         run("apt-get", "update", "-qq")
         run("apt-get", "install", "-y", "-qq", "--no-install-recommends", "podman", "buildah", "runc",
-            "debootstrap", "netavark", "aardvark-dns", "fuse-overlayfs", "uidmap",
+            "debootstrap", "netavark", "aardvark-dns", "fuse-overlayfs", "uidmap", "iptables", "catatonit",
             env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"}, stdout=subprocess.DEVNULL)
     conf = Path("/etc/containers/containers.conf")
     if not conf.exists():
