@@ -3,6 +3,9 @@ small labelled set, the rag and system_prompt adapters, their statuses, and RAG 
 embedded model."""
 
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import grpc
 import pytest
@@ -139,9 +142,18 @@ def test_system_prompt_adapter():
     ({"type": "system_prompt", "text": "t", "template": "no slot"}, "adapters.named.a.template"),
 ])
 def test_bad_adapter_specs_name_the_key(spec, key):
+    config = load_config(None, {"HOME": "/tmp"}, {"adapters.named.a": spec})  # the config holds specs only
     with pytest.raises(ConfigError) as error:
-        load_config(None, {"HOME": "/tmp"}, {"adapters.named.a": spec})
+        build_adapters(config.adapters.named, Path(config.adapters.kb_dir))
     assert error.value.key == key
+
+
+def test_serve_refuses_a_bad_adapter_spec_at_start_naming_the_key():
+    result = subprocess.run([sys.executable, "-m", "worker", "serve", "--engine", "synthetic", "--socket",
+                             "/tmp/cyllm-adapter-spec.sock", "--set", "adapters.named.a={type: rag, kb: k, top_k: 0}"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "configuration error: adapters.named.a.top_k:" in result.stderr
 
 
 def test_kb_cli_indexes_and_searches(docs, tmp_path, capsys):

@@ -188,15 +188,10 @@ class AdaptersConfig:
     {type: system_prompt, text: ..., template: "{system}\n\n{prompt}", replace: false}."""
 
     def validate(self) -> None:
+        """The specs themselves are checked where the worker builds its adapters
+        (worker.adapters.base.build_adapters), with the same errors naming the key."""
         if not self.kb_dir:
             raise ConfigError("adapters.kb_dir", "must be set")
-        from worker.adapters.base import build_adapters
-
-        try:  # the specs only; knowledge bases are opened per request, so a rebuild needs no restart
-            for adapter in build_adapters(self.named, Path(self.kb_dir)).values():
-                adapter.close()
-        except ValueError as exc:
-            raise ConfigError(f"adapters.named.{exc}".split(":")[0], str(exc).split(": ", 1)[-1]) from None
 
 
 @dataclass

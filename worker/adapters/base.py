@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import grpc
 
+from worker.config import ConfigError
 from worker.errors import WorkerError
 from worker.request import GenerationRequest, RequestOutput
 
@@ -50,7 +51,8 @@ class Adapter(ABC):
 
 
 def build_adapters(named: dict[str, dict[str, Any]], kb_dir: Path) -> dict[str, Adapter]:
-    """Adapters from the config; a bad spec is a ValueError naming the adapter and key."""
+    """Adapters from the config's adapters.named, built where the config is consumed (the worker's
+    start); a bad spec is a ConfigError naming its key, e.g. adapters.named.docs.top_k."""
     from worker.adapters.rag import RagAdapter
     from worker.adapters.system_prompt import SystemPromptAdapter
 
@@ -58,12 +60,13 @@ def build_adapters(named: dict[str, dict[str, Any]], kb_dir: Path) -> dict[str, 
     adapters = {}
     for name, spec in named.items():
         if not isinstance(spec, dict) or spec.get("type") not in kinds:
-            raise ValueError(f"{name}.type: must be one of {', '.join(sorted(kinds))}")
+            raise ConfigError(f"adapters.named.{name}.type", f"must be one of {', '.join(sorted(kinds))}")
         options = {k: v for k, v in spec.items() if k != "type"}
         try:
             adapters[name] = kinds[spec["type"]].from_options(name, options, kb_dir)
         except (TypeError, ValueError) as exc:
-            raise ValueError(f"{name}.{exc}") from None
+            key, _, message = str(exc).partition(": ")
+            raise ConfigError(f"adapters.named.{name}.{key}", message) from None
     return adapters
 
 
