@@ -78,10 +78,9 @@ class NativeEngine(ThreadedEngine):
         self.blocks: BlockManager | None = None
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []
-        self._pending: list[tuple[Sequence, int]] = []
-        """(sequence, token) sampled and not yet emitted."""
+        self._pending: list[tuple[Sequence, int]] = []  # (sequence, token) sampled and not yet emitted
         self.prefix_queried_tokens = self.prefix_hit_tokens = 0
-        self._step_flops = 0.0
+        self._step_flops = 0.0  # of the step being scheduled, priced by the PrefillPacer
 
     def _load(self) -> None:
         engine = self.config.engine
@@ -195,7 +194,8 @@ class NativeEngine(ThreadedEngine):
             self._emit()  # with overlap: while the step runs on the device
             self._pending = self._read(step)
             self.last_step_at = time.monotonic()
-            self.pacer.record(step.flops, self.last_step_at - step.launched_at, sum(c for _, c in step.scheduled if c > 1))
+            if step.flops:  # priced: it may have prefilled
+                self.pacer.record(step.flops, self.last_step_at - step.launched_at, sum(c for _, c in step.scheduled if c > 1))
             step = ahead
             if not self.overlap:
                 self._emit()
@@ -223,8 +223,7 @@ class NativeEngine(ThreadedEngine):
             self._waiting.remove(seq)
 
     def _schedule(self) -> list[tuple[Sequence, int]]:
-        """(sequence, tokens this step): a decode token for each running one, then prefill chunks
-        as far as the token budget and the pacer's time allow."""
+        """(sequence, tokens this step): a decode for each running one, then prefill chunks within the budget and pacer."""
         budget = int(self.args["max_num_batched_tokens"])
         self._step_flops = 0.0
         scheduled: list[tuple[Sequence, int]] = []
@@ -242,7 +241,8 @@ class NativeEngine(ThreadedEngine):
                 self.blocks.grow(seq.blocks, seq.num_cached + 1)
                 scheduled.append((seq, 1))
                 budget -= 1
-                self._step_flops += self.pacer.cost(1, seq.num_cached)
+        if self._waiting and len(self._running) < int(self.args["max_num_seqs"]):  # a chunk may join: price the decodes
+            self._step_flops = sum(self.pacer.cost(1, seq.num_cached) for seq, _ in scheduled)
         while self._waiting and budget > 0 and len(self._running) < int(self.args["max_num_seqs"]):
             seq = self._waiting[0]
             starting = not seq.blocks
