@@ -176,11 +176,13 @@ def test_retry_on_a_full_worker_goes_to_the_other(worker_process, sidecar):
         holder = pb_grpc.InferenceServiceStub(direct).StreamPredict(
             pb.PredictRequest(prompt="hold", sampling=pb.SamplingParams(max_tokens=4000)))
         next(holder)
-        front = sidecar([full.socket_path, free.socket_path])
+        # Blind to the workers' own load (no GetLoad after the first, skipped, tick), routing picks
+        # the full worker about half the time, and only a retry can serve those requests.
+        front = sidecar([full.socket_path, free.socket_path], "--load-poll-s", "1000")
         front.wait_ready()
         channel, stub, _ = grpc_stub(front)
         with channel:
-            for _ in range(8):
+            for _ in range(24):
                 assert list(stub.StreamPredict(pb.PredictRequest(prompt="x", sampling=pb.SamplingParams(max_tokens=2)),
                                                timeout=10))[-1].usage.completion_tokens == 2
         holder.cancel()

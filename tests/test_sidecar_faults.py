@@ -260,7 +260,10 @@ def test_connections_over_the_cap_are_closed_at_once(worker_process, sidecar):
     front = sidecar([worker.socket_path], "--max-connections", "20")
     front.wait_ready()
     held = open_connections(front.http_port, 20, b"")
-    time.sleep(0.5)  # accepted, each holding a slot
+    deadline = time.monotonic() + 5
+    while metric(front, "cyllm_sidecar_connections_open", listener="http") < 20:  # each accepted, holding a slot
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
     refused_held, _ = wait_closed(open_connections(front.http_port, 5, b""), 3)
     assert all(s < 1 for s in refused_held), refused_held
     assert metric(front, "cyllm_sidecar_connections_refused_total", listener="http") >= 5
