@@ -185,7 +185,11 @@ class SyntheticEngine(BaseEngine):
         return bool(self.args.stall_after_tokens) and self._emitted >= self.args.stall_after_tokens
 
     def _prefill_step(self, now: float) -> None:
-        """A request still in its prefill delay is work in progress, as a model's prefill chunks are."""
+        """A request still in its prefill delay is work in progress, as a model's prefill chunks are.
+        Not scanned again within 0.5 s of the last step: this runs every 1 ms tick, and the
+        watchdog reading it counts seconds."""
+        if time.monotonic() - self.last_step_at < 0.5:
+            return
         if not self._stalled() and any(s.ready_at > now for s in self._running.values()):
             self.last_step_at = time.monotonic()
 
