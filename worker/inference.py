@@ -4,6 +4,7 @@ held however it ends, and map every failure to one status."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from pathlib import Path
@@ -28,7 +29,7 @@ from worker.errors import (
 )
 from worker.gen.cyllm.inference.v1 import inference_pb2 as pb
 from worker.gen.cyllm.inference.v1 import inference_pb2_grpc as pb_grpc
-from worker.request import GenerationRequest
+from worker.request import GenerationRequest, TokenLogprob
 from worker.scheduler import Grant, TaskScheduler
 from worker.telemetry import Metrics, get_logger
 
@@ -93,18 +94,23 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             request = await self._prepare(message)
             prompt_tokens = len(request.prompt_token_ids)
             grant = await self.scheduler.admit(
-                prompt_tokens + request.sampling.max_tokens, request.priority, deadline)
+                prompt_tokens + max(1, request.sampling.max_tokens), request.priority, deadline)
             self.last_progress = time.monotonic()
             self.metrics.queue_time.observe(grant.queued_s)
             self.metrics.prompt_tokens.inc(prompt_tokens)
-            stream = self.engine.stream_predict(request)
+            stream = self.engine.stream_predict(request if request.sampling.max_tokens else dataclasses.replace(
+                request, sampling=dataclasses.replace(request.sampling, max_tokens=1)))
             self._streams[id(stream)] = stream
             if deadline is not None:
                 timer = asyncio.get_running_loop().call_later(
                     max(0.0, deadline - time.monotonic()), stream.fail,
                     RequestDeadlineExceeded("deadline passed while generating"))
             adapter = self.adapters.get(request.adapter)
+            scoring_only = request.sampling.max_tokens == 0  # the engine makes one token, not sent
             async for output in stream:
+                if scoring_only:
+                    output.text, output.token_ids, output.logprobs = "", [], []
+                    output.finish_reason = output.finish_reason and "length"
                 if adapter is not None:
                     output = adapter.process_output(output)
                 self.last_progress = time.monotonic()
@@ -114,6 +120,10 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 response = pb.PredictResponse(request_id=request_id, text=output.text)
                 if request.return_token_ids:
                     response.token_ids.extend(output.token_ids)
+                if output.logprobs:
+                    response.logprobs.extend(self._logprobs(output.logprobs))
+                if output.prompt_logprobs is not None:
+                    response.prompt_logprobs.extend(self._logprobs(output.prompt_logprobs))
                 if output.finish_reason is not None:
                     finished = True
                     self.consecutive_engine_errors = 0
@@ -124,7 +134,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                     response.timing.queue_ms = grant.queued_s * 1000
                     response.timing.time_to_first_token_ms = ((first_token_at or now) - arrived) * 1000
                     response.timing.total_ms = (now - arrived) * 1000
-                elif not output.text and not response.token_ids:
+                elif not output.text and not response.token_ids and not response.prompt_logprobs:
                     continue
                 await self._send(context, response)
                 if self.max_messages_per_s and not finished:
@@ -214,12 +224,24 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             request.prompt_token_ids = await asyncio.to_thread(self.engine.encode, request)
         else:
             request.prompt_token_ids = self.engine.encode(request)
+        if request.constraint is not None:
+            await asyncio.to_thread(self.engine.prepare, request)  # compiling a new schema takes milliseconds
+        else:
+            self.engine.prepare(request)
         prompt_tokens = len(request.prompt_token_ids)
         if prompt_tokens + request.sampling.max_tokens > info.max_model_len:
             raise InvalidRequest(
                 f"prompt ({prompt_tokens} tokens) + max_tokens ({request.sampling.max_tokens}) is over the "
                 f"model's context of {info.max_model_len} tokens")
         return request
+
+    def _logprobs(self, entries: list[TokenLogprob]) -> list[pb.TokenLogprob]:
+        def one(token_id: int, logprob: float | None, top: list[tuple[int, float]]) -> pb.TokenLogprob:
+            raw = self.engine.token_bytes(token_id)
+            return pb.TokenLogprob(token_id=token_id, text=raw.decode("utf-8", errors="replace"), bytes=raw,
+                                   logprob=logprob, top_logprobs=[one(i, v, []) for i, v in top])
+
+        return [one(e.token_id, e.logprob, e.top) for e in entries]
 
     def _record(self, request_id: str, status: grpc.StatusCode, arrived: float,
                 first_token_at: float | None, completion_tokens: int) -> None:

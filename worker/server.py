@@ -43,7 +43,13 @@ class ControlServicer(pb_grpc.WorkerControlServicer):
             pid=os.getpid(),
             min_ping_interval_ms=int(self.worker.config.server.keepalive_min_ping_interval_s * 1000),
             permit_pings_without_calls=self.worker.config.server.keepalive_permit_without_calls,
+            capabilities=self._capabilities(),
         )
+
+    def _capabilities(self) -> pb.Capabilities:
+        able = self.worker.engine.capabilities()
+        return pb.Capabilities(structured_output=able.structured_output, max_logprobs=able.max_logprobs,
+                               prompt_logprobs=able.prompt_logprobs, tools=able.tools)
 
     async def GetLoad(self, request, context) -> pb.WorkerLoad:
         load = self.worker.scheduler.load()

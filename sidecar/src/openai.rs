@@ -170,13 +170,13 @@ impl ChatRequest {
                         parts.into_iter().map(|p| p.text).collect()
                     }
                 };
-                Ok(ChatMessage { role: m.role, content })
+                Ok(ChatMessage { role: m.role, content, ..Default::default() })
             })
             .collect::<Result<Vec<_>, _>>()?;
         Ok(PredictRequest {
             request_id: request_id.into(),
             model: self.model,
-            input: Some(Input::Chat(ChatInput { messages })),
+            input: Some(Input::Chat(ChatInput { messages, ..Default::default() })),
             sampling: Some(self.sampling.to_proto()?),
             ..Default::default()
         })

@@ -6,13 +6,28 @@ import asyncio
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
+from worker.engines import grammar
+from worker.engines.grammar import KINDS, Grammars
 from worker.errors import InvalidRequest
-from worker.request import GenerationRequest, RequestOutput, SamplingParams
+from worker.request import MAX_LOGPROBS, GenerationRequest, RequestOutput, SamplingParams
+from worker.telemetry import get_logger
 
 if TYPE_CHECKING:
     from worker.config import Config
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What an engine does beyond plain text (WorkerInfo.capabilities)."""
+
+    structured_output: tuple[str, ...] = ()
+    max_logprobs: int = 0
+    prompt_logprobs: bool = False
+    tools: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +103,9 @@ class BaseEngine(ABC):
     preset_args: tuple[str, ...] = ()
     # The warm-up prompt's length (native: long enough to measure its prefill rate).
     warmup_prompt_tokens: int = 1
+    # Whether it reports logprobs (generated and prompt tokens) and renders tools into chat prompts.
+    reports_logprobs = True
+    renders_tools = True
 
     def __init__(self, config: Config, on_fatal: Callable[[BaseException], None] | None = None):
         self.config = config
@@ -98,6 +116,44 @@ class BaseEngine(ABC):
         # written by engines that can see their steps: the progress watchdog reads it, so a long
         # prompt that sends nothing for a while still counts as progress. Others rely on outputs.
         self.last_step_at = 0.0
+        # Set by engines that compile structured-output constraints for their tokenizer once loaded.
+        self.grammars: Grammars | None = None
+        self.tokenizer: Any = None
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities(
+            structured_output=KINDS if self.grammars is not None else (),
+            max_logprobs=MAX_LOGPROBS if self.reports_logprobs else 0,
+            prompt_logprobs=self.reports_logprobs, tools=self.renders_tools)
+
+    def prepare(self, request: GenerationRequest) -> None:
+        """Refuses what this engine cannot do, naming it, and compiles the request's constraint
+        (on a thread: a new schema may take milliseconds). Before admission."""
+        able = self.capabilities()
+        if request.constraint is not None:
+            if request.constraint.kind not in able.structured_output:
+                hint = " (it needs xgrammar, which cy-llm setup installs)" if self.reports_logprobs else ""
+                raise InvalidRequest(f"structured_output.{request.constraint.kind} is not supported by the "
+                                     f"{self.name} engine{hint}")
+            request.grammar = self.grammars.compile(request.constraint)
+        for field_name in ("logprobs", "prompt_logprobs"):
+            if getattr(request, field_name) is not None and not able.max_logprobs:
+                raise InvalidRequest(f"{field_name} is not supported by the {self.name} engine")
+        if request.tools and not able.tools:
+            raise InvalidRequest(f"chat.tools_json is not supported by the {self.name} engine")
+
+    def _load_grammars(self, vocab_size: int, stop_ids: frozenset[int]) -> None:
+        """On the engine's tokenizer, once loaded; without xgrammar, structured output is refused."""
+        if grammar.available():
+            self.grammars = Grammars(self.tokenizer, vocab_size, stop_ids)
+        else:
+            log.warning("xgrammar is not installed: structured output is refused", engine=self.name)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """A token's own bytes, for logprobs."""
+        if self.grammars is not None:
+            return self.grammars.token_bytes(token_id)
+        return self.tokenizer.decode([token_id]).encode() if self.tokenizer is not None else b""
 
     @abstractmethod
     async def load_model(self) -> ModelInfo:

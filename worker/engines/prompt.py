@@ -34,8 +34,47 @@ def encode_prompt(tokenizer: Any, request: GenerationRequest) -> list[int]:
     if request.messages is not None:
         if not tokenizer.chat_template:
             raise InvalidRequest("this model has no chat template; send a prompt instead")
-        rendered = tokenizer.apply_chat_template(
-            [{"role": m.role, "content": m.content} for m in request.messages],
-            add_generation_prompt=True, tokenize=False)
+        messages = [m.template_dict() for m in request.messages]
+        extra = {}
+        if renders_tools(tokenizer):
+            extra["tools"] = request.tools
+        else:
+            messages = _tools_in_messages(messages, request.tools)
+        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
         return tokenizer(rendered, add_special_tokens=False)["input_ids"]
     return tokenizer(request.prompt)["input_ids"]
+
+
+def renders_tools(tokenizer: Any) -> bool:
+    """Whether the model's chat template shows tool definitions and calls itself."""
+    return "tools" in (tokenizer.chat_template or "") and "tool_calls" in (tokenizer.chat_template or "")
+
+
+def _tools_in_messages(messages: list[dict], tools: list[dict] | None) -> list[dict]:
+    """For a template that knows nothing of tools: the definitions go into the system message and
+    earlier calls into the assistant's text, in the Hermes format (<tools>, <tool_call>) that many
+    open models were trained on, so the model still sees them."""
+    out = []
+    for message in messages:
+        calls = message.pop("tool_calls", None)
+        if calls:
+            rendered = "\n".join("<tool_call>\n" + json.dumps({"name": c["function"]["name"],
+                                                                 "arguments": c["function"]["arguments"]})
+                                  + "\n</tool_call>" for c in calls)
+            message["content"] = "\n".join(filter(None, [message["content"], rendered]))
+        if message["role"] == "tool":
+            message["content"] = f"<tool_response>\n{message['content']}\n</tool_response>"
+        message.pop("tool_call_id", None)
+        message.pop("name", None)
+        out.append(message)
+    if tools:
+        listing = "\n".join(json.dumps(tool["function"]) for tool in tools)
+        preamble = (f"You may call one or more functions to assist with the user query. The functions:\n"
+                    f"<tools>\n{listing}\n</tools>\nFor each call, return a JSON object with the function name "
+                    f"and arguments within <tool_call></tool_call> tags:\n<tool_call>\n"
+                    f'{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>')
+        if out and out[0]["role"] == "system":
+            out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + preamble}
+        else:
+            out.insert(0, {"role": "system", "content": preamble})
+    return out

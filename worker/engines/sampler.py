@@ -4,7 +4,35 @@ from __future__ import annotations
 
 import torch
 
-from worker.request import SamplingParams
+from typing import Any, Protocol
+
+from worker.engines import logprobs as lp
+from worker.request import GenerationRequest, SamplingParams
+
+
+class Row(Protocol):
+    """What choose() reads of a request being decoded."""
+
+    request: GenerationRequest
+    generator: torch.Generator
+    output_ids: list[int]
+    matcher: Any
+
+
+def choose(logits: torch.Tensor, rows: list[Row], grammars: Any) -> tuple[torch.Tensor, lp.Pending | None]:
+    """The next token of each row, and the logprobs of those rows that asked (in their order): the
+    logprobs from the raw logits, then the grammars' masks, then sampling. Modifies logits."""
+    asked = [row for row, r in enumerate(rows) if r.request.logprobs is not None]
+    raw = lp.log_softmax(logits[asked] if len(asked) < len(rows) else logits) if asked else None
+    constrained = [row for row, r in enumerate(rows) if r.matcher is not None]
+    if constrained:
+        grammars.mask(logits, constrained, [rows[row].matcher for row in constrained])
+    tokens = sample(logits, [r.request.sampling for r in rows], [r.generator for r in rows],
+                    [r.request.prompt_token_ids for r in rows], [r.output_ids for r in rows])
+    if raw is None:
+        return tokens, None
+    chosen = tokens[asked] if len(asked) < len(rows) else tokens
+    return tokens, lp.sampled(raw, chosen, [rows[row].request.logprobs for row in asked])
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator:

@@ -68,6 +68,9 @@ class _Sequence:
 
 class SyntheticEngine(BaseEngine):
     name = "synthetic"
+    # It runs no model: there are no logits to take logprobs from or to mask, and no template.
+    reports_logprobs = False
+    renders_tools = False
 
     def __init__(self, config, on_fatal=None):
         super().__init__(config, on_fatal)

@@ -18,11 +18,12 @@ from worker.config import ConfigError
 from worker.engines.base import ModelInfo, RequestStream
 from worker.engines.detokenizer import OutputText
 from worker.engines.prompt import encode_prompt
-from worker.engines.sampler import make_generator, sample
+from worker.engines.logprobs import of_prompt
+from worker.engines.sampler import choose, make_generator
 from worker.engines.threaded import ThreadedEngine
 from worker.errors import DeviceOutOfMemory, EngineRequestError
 from worker.models import locate_model
-from worker.request import GenerationRequest, RequestOutput
+from worker.request import GenerationRequest, RequestOutput, TokenLogprob
 from worker.telemetry import get_logger
 
 log = get_logger(__name__)
@@ -38,6 +39,7 @@ class _Sequence:
     text: OutputText
     output_ids: list[int] = field(default_factory=list)
     cache: Any = None
+    matcher: Any = None
 
 
 class TransformersEngine(ThreadedEngine):
@@ -49,7 +51,6 @@ class TransformersEngine(ThreadedEngine):
             raise ConfigError(f"engine.args.{next(iter(config.engine.args))}",
                               "the transformers engine takes no engine arguments")
         self.model = None
-        self.tokenizer = None
         self.device: torch.device | None = None
         self.eos_ids: frozenset[int] = frozenset()
         self._budget = 0
@@ -78,6 +79,7 @@ class TransformersEngine(ThreadedEngine):
         eos = self.model.generation_config.eos_token_id
         eos = eos if isinstance(eos, list) else [eos]
         self.eos_ids = frozenset(i for i in [*eos, self.tokenizer.eos_token_id] if i is not None)
+        self._load_grammars(cfg.vocab_size, self.eos_ids)
         self.info = ModelInfo(
             served_name=engine.served_name or (engine.model if os.sep not in engine.model else folder.name),
             max_model_len=engine.max_model_len or cfg.max_position_embeddings,
@@ -129,6 +131,7 @@ class TransformersEngine(ThreadedEngine):
             request=request,
             generator=make_generator(request.sampling, self.device),
             text=OutputText(self.tokenizer, request.prompt_token_ids, request.sampling.stop, self.eos_ids),
+            matcher=self.grammars.matcher(request.grammar) if request.grammar is not None else None,
         )))
         return stream
 
@@ -162,9 +165,14 @@ class TransformersEngine(ThreadedEngine):
                 last = seq.output_ids[-1:] if seq.cache is not None else seq.request.prompt_token_ids
                 input_ids = torch.tensor([last], device=self.device)
                 out = self.model(input_ids=input_ids, past_key_values=seq.cache, use_cache=True)
+                prompt_logprobs = None
+                if seq.cache is None and seq.request.prompt_logprobs is not None:
+                    ids = seq.request.prompt_token_ids
+                    prompt_logprobs = [TokenLogprob(ids[0], None),
+                                       *of_prompt(out.logits[0, :-1], ids[1:], seq.request.prompt_logprobs)]
                 seq.cache = out.past_key_values
-                token = sample(out.logits[:, -1, :], [params], [seq.generator],
-                               [seq.request.prompt_token_ids], [seq.output_ids]).item()
+                tokens, logprobs = choose(out.logits[:, -1, :], [seq], self.grammars)
+                token = tokens.item()
         except torch.OutOfMemoryError:
             seq.cache = None
             if self.device.type == "cuda":
@@ -176,8 +184,12 @@ class TransformersEngine(ThreadedEngine):
             self._post(seq.stream.fail, EngineRequestError("engine error on this request"))
             return True
         seq.output_ids.append(token)
+        if seq.matcher is not None:
+            seq.matcher.accept_token(token)
         at_limit = (len(seq.output_ids) >= params.max_tokens
                     or len(seq.request.prompt_token_ids) + len(seq.output_ids) >= self.info.max_model_len)
         text, finish = seq.text.add(token, params.stop_token_ids, params.ignore_eos, at_limit)
-        self._post(seq.stream.put, RequestOutput(text=text, token_ids=[token], finish_reason=finish))
+        self._post(seq.stream.put, RequestOutput(text=text, token_ids=[token], finish_reason=finish,
+                                                 logprobs=logprobs.read([token]) if logprobs else [],
+                                                 prompt_logprobs=prompt_logprobs))
         return finish is not None

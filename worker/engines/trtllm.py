@@ -12,6 +12,8 @@ from typing import Any
 
 from worker.config import ConfigError
 from worker.engines.base import BaseEngine, ModelInfo, RequestStream
+from worker.engines.grammar import choice_grammar
+from worker.engines.logprobs import from_ranked
 from worker.engines.prompt import encode_prompt
 from worker.errors import DeviceOutOfMemory, EngineDead, EngineRequestError, InvalidRequest
 from worker.models import locate_model
@@ -33,7 +35,6 @@ class TRTLLMEngine(BaseEngine):
         import tensorrt_llm  # noqa: F401 - fail at build time, with the factory's install hint
 
         self.llm = None
-        self.tokenizer = None
         self._budget = 0
         self._requests: dict[int, tuple[Any, asyncio.Task]] = {}
 
@@ -45,7 +46,9 @@ class TRTLLMEngine(BaseEngine):
         if (dtype := args.pop("kv_cache_dtype", "auto")) != "auto":
             kv["dtype"] = dtype
         tokens_per_block = args.pop("block_size", None)
-        llm_args: dict[str, Any] = {"model": folder, "kv_cache_config": KvCacheConfig(**kv)}
+        # xgrammar, as the native and vLLM engines use: it takes json, regex and EBNF grammars.
+        llm_args: dict[str, Any] = {"model": folder, "kv_cache_config": KvCacheConfig(**kv),
+                                    "guided_decoding_backend": "xgrammar"}
         if tokens_per_block:
             llm_args["tokens_per_block"] = tokens_per_block
         if "max_num_seqs" in args:
@@ -69,6 +72,8 @@ class TRTLLMEngine(BaseEngine):
             self.llm = await asyncio.to_thread(LLM, **self._llm_args(str(folder)))
         except TypeError as exc:
             raise ConfigError("engine.args", f"TensorRT-LLM refused the arguments: {exc}") from exc
+        await asyncio.to_thread(self._load_grammars, len(self.tokenizer),
+                                frozenset({self.tokenizer.eos_token_id} - {None}))
         stats = await asyncio.to_thread(self._kv_stats)
         self._budget = stats["maxNumBlocks"] * stats["tokensPerBlock"]
         engine = self.config.engine
@@ -120,7 +125,8 @@ class TRTLLMEngine(BaseEngine):
                 max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k or None,
                 min_p=s.min_p or None, repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
                 frequency_penalty=s.frequency_penalty, stop=list(s.stop) or None,
-                stop_token_ids=list(s.stop_token_ids) or None, seed=s.seed, ignore_eos=s.ignore_eos, detokenize=True)
+                stop_token_ids=list(s.stop_token_ids) or None, seed=s.seed, ignore_eos=s.ignore_eos, detokenize=True,
+                guided_decoding=_guide(request), logprobs=request.logprobs, prompt_logprobs=request.prompt_logprobs)
             result = self.llm.generate_async(request.prompt_token_ids, sampling_params=params, streaming=True)
         except ValueError as exc:
             stream.fail(InvalidRequest(str(exc)))
@@ -137,14 +143,20 @@ class TRTLLMEngine(BaseEngine):
             task.cancel()
 
     async def _pump(self, result: Any, request: GenerationRequest, stream: RequestStream) -> None:
+        first = True
         try:
             async for output in result:
                 completion = output.outputs[0]
                 finish = FINISH_REASONS.get(completion.finish_reason) if output.finished else None
                 if output.finished and finish is None:
                     finish = "stop"
-                stream.put(RequestOutput(text=completion.text_diff, token_ids=list(completion.token_ids_diff),
-                                         finish_reason=finish))
+                prompt = completion.prompt_logprobs if request.prompt_logprobs is not None and first else None
+                first = False
+                stream.put(RequestOutput(
+                    text=completion.text_diff, token_ids=list(completion.token_ids_diff), finish_reason=finish,
+                    logprobs=from_ranked(completion.token_ids_diff, completion.logprobs_diff, request.logprobs),
+                    prompt_logprobs=from_ranked(request.prompt_token_ids, [None, *prompt], request.prompt_logprobs)
+                    if prompt is not None else None))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - sorted into the statuses of the design card
@@ -161,3 +173,17 @@ class TRTLLMEngine(BaseEngine):
                 stream.fail(EngineRequestError("engine error on this request"))
         finally:
             self._requests.pop(id(stream), None)
+
+
+def _guide(request: GenerationRequest) -> Any:
+    """TensorRT-LLM's GuidedDecodingParams; a choice becomes an EBNF grammar (it has no choice kind)."""
+    from tensorrt_llm.llmapi import GuidedDecodingParams
+
+    constraint = request.constraint
+    if constraint is None:
+        return None
+    if constraint.kind == "choice":
+        return GuidedDecodingParams(grammar=choice_grammar(constraint.spec))
+    if constraint.kind == "json_object":
+        return GuidedDecodingParams(json_object=True)
+    return GuidedDecodingParams(**{{"json_schema": "json"}.get(constraint.kind, constraint.kind): constraint.spec})

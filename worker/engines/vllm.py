@@ -9,12 +9,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import json
 import os
 import time
 from typing import Any
 
 from worker.config import ConfigError
 from worker.engines.base import BaseEngine, ModelInfo, RequestStream
+from worker.engines.logprobs import from_ranked
 from worker.engines.prompt import encode_prompt
 from worker.errors import DeviceOutOfMemory, EngineDead, EngineRequestError, InvalidRequest
 from worker.models import locate_model
@@ -42,7 +44,6 @@ class VLLMEngine(BaseEngine):
             if key not in fields and key not in OWN_ARGS:
                 raise ConfigError(f"engine.args.{key}", "not an argument of vLLM's AsyncEngineArgs")
         self.engine = None
-        self.tokenizer = None
         self._budget = 0
         self._ids = itertools.count()
         self._requests: dict[int, tuple[str, asyncio.Task]] = {}
@@ -85,6 +86,8 @@ class VLLMEngine(BaseEngine):
                                               stat_loggers=[_step_clock(self)])
         vllm_config = self.engine.vllm_config
         cache, model = vllm_config.cache_config, vllm_config.model_config
+        # The same compiler vLLM's default backend runs: a malformed constraint is refused before admission.
+        await asyncio.to_thread(self._load_grammars, model.get_vocab_size(), frozenset({self.tokenizer.eos_token_id} - {None}))
         self._budget = int(cache.num_gpu_blocks) * int(cache.block_size)
         self.info = ModelInfo(
             served_name=engine_args.served_model_name if isinstance(engine_args.served_model_name, str)
@@ -147,8 +150,11 @@ class VLLMEngine(BaseEngine):
                                                      params, key, priority=0):
                 completion = output.outputs[0]
                 finish = FINISH_REASONS.get(completion.finish_reason) if output.finished else None
-                stream.put(RequestOutput(text=completion.text, token_ids=list(completion.token_ids),
-                                         finish_reason=finish))
+                stream.put(RequestOutput(
+                    text=completion.text, token_ids=list(completion.token_ids), finish_reason=finish,
+                    logprobs=from_ranked(completion.token_ids, completion.logprobs, request.logprobs),
+                    prompt_logprobs=from_ranked(request.prompt_token_ids, output.prompt_logprobs, request.prompt_logprobs)
+                    if output.prompt_logprobs is not None else None))
                 if output.finished:
                     break
         except EngineDeadError as exc:
@@ -166,14 +172,23 @@ class VLLMEngine(BaseEngine):
             self._requests.pop(id(stream), None)
 
     def _sampling_params(self, request: GenerationRequest) -> Any:
-        from vllm.sampling_params import RequestOutputKind, SamplingParams
+        from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
-        s = request.sampling
+        s, constraint = request.sampling, request.constraint
+        structured = None
+        if constraint is not None:
+            # Compact JSON, as the native and transformers engines make it.
+            value = {"json_schema": constraint.spec, "json_object": True, "regex": constraint.spec,
+                     "grammar": constraint.spec, "choice": json.loads(constraint.spec) if constraint.kind == "choice"
+                     else None}[constraint.kind]
+            key = {"json_schema": "json"}.get(constraint.kind, constraint.kind)
+            structured = StructuredOutputsParams(**{key: value}, disable_any_whitespace=True)
         return SamplingParams(
             n=1, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
             repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
             frequency_penalty=s.frequency_penalty, stop=list(s.stop) or None, stop_token_ids=list(s.stop_token_ids),
-            seed=s.seed, ignore_eos=s.ignore_eos, output_kind=RequestOutputKind.DELTA, skip_special_tokens=True)
+            seed=s.seed, ignore_eos=s.ignore_eos, output_kind=RequestOutputKind.DELTA, skip_special_tokens=True,
+            structured_outputs=structured, logprobs=request.logprobs, prompt_logprobs=request.prompt_logprobs)
 
 
 def _step_clock(engine: VLLMEngine) -> Any:

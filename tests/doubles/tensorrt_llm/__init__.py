@@ -1,9 +1,11 @@
 """TEST DOUBLE of tensorrt_llm 1.2's LLM API: not TensorRT-LLM, and no model runs here.
 
 Mirrors exactly the surface worker/engines/trtllm.py uses (LLM, SamplingParams, llmapi.KvCacheConfig,
-LLM.generate / generate_async(streaming=True) / get_stats / shutdown, RequestOutput.abort, the
-outputs' text_diff / token_ids_diff / finish_reason) so the adapter's stream, abort, budget and
-error handling are tested where TensorRT-LLM cannot run. Tokens are deterministic letters.
+llmapi.GuidedDecodingParams, LLM.generate / generate_async(streaming=True) / get_stats / shutdown,
+RequestOutput.abort, the outputs' text_diff / token_ids_diff / finish_reason / logprobs_diff /
+prompt_logprobs) so the adapter's stream, abort, budget, parameter mapping and error handling are
+tested where TensorRT-LLM cannot run. Tokens are deterministic letters; a guide is recorded, not
+followed, and logprobs are made-up numbers of the right shape ({token id: Logprob(logprob, rank)}).
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     detokenize: bool = True
+    guided_decoding: object = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -40,11 +45,28 @@ class SamplingParams:
 
 
 @dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None
+
+
+@dataclass
 class CompletionOutput:
     index: int = 0
     text_diff: str = ""
     token_ids_diff: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    logprobs_diff: list[dict[int, Logprob]] = field(default_factory=list)
+    # One entry per prompt token after the first.
+    prompt_logprobs: list[dict[int, Logprob]] | None = None
+
+
+def _ranked(token: int, k: int) -> dict[int, Logprob]:
+    """The chosen token (rank 1 here) and k alternatives, most likely first."""
+    entries = {token: Logprob(-0.5, 1)}
+    for rank in range(2, k + 1):
+        entries[(token + rank) % 50 + 3] = Logprob(-0.5 * rank, rank)
+    return entries
 
 
 @dataclass
@@ -90,6 +112,10 @@ class RequestOutput:
             reason = "length"
         output = CompletionOutput(text_diff="" if token == EOS else chr(97 + token % 26), token_ids_diff=[token],
                                   finish_reason=reason)
+        if self.params.logprobs is not None:
+            output.logprobs_diff = [_ranked(token, self.params.logprobs)]
+        if self.params.prompt_logprobs is not None:
+            output.prompt_logprobs = [_ranked(t, self.params.prompt_logprobs) for t in self.prompt[1:]]
         if reason:
             self._finish(output)
         else:
@@ -105,12 +131,15 @@ class RequestOutput:
 class LLM:
     def __init__(self, model: str, kv_cache_config=None, tokens_per_block: int | None = None,
                  max_batch_size: int | None = None, max_num_tokens: int | None = None,
-                 max_seq_len: int | None = None, dtype: str | None = None, **kwargs):
+                 max_seq_len: int | None = None, dtype: str | None = None,
+                 guided_decoding_backend: str | None = None, **kwargs):
         if kwargs:
             raise TypeError(f"LLM() got unexpected keyword arguments {sorted(kwargs)}")
         self.model, self.kv_cache_config = model, kv_cache_config
         self.tokens_per_block = tokens_per_block or 32
         self.max_batch_size, self.max_num_tokens, self.dtype = max_batch_size, max_num_tokens, dtype
+        self.guided_decoding_backend = guided_decoding_backend
+        self.requests: list[SamplingParams] = []  # every request's parameters, for the tests
         self.args = _Args(max_seq_len or 8192)
         self.active: set[int] = set()
         self.step_s = 0.002
@@ -125,6 +154,7 @@ class LLM:
 
     def generate_async(self, inputs, sampling_params: SamplingParams, streaming: bool = False) -> RequestOutput:
         assert streaming, "the adapter always streams"
+        self.requests.append(sampling_params)
         return RequestOutput(self, list(inputs), sampling_params)
 
     def get_stats(self, timeout: float = 2) -> list[dict]:

@@ -1,4 +1,4 @@
-"""Fixed-size KV blocks with prefix sharing.
+"""Fixed-size KV blocks with prefix sharing, and the zeroed memory that holds them.
 
 Each sequence has a block table grown as its tokens need. A block once full is named by a hash of
 its tokens chained to its parent's, so equal prefixes have equal names: a new sequence takes the
@@ -9,9 +9,13 @@ counted; one that no sequence holds stays cached until the least recently freed 
 from __future__ import annotations
 
 import hashlib
+import math
+import mmap
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
+
+import torch
 
 
 @dataclass
@@ -106,3 +110,13 @@ class BlockManager:
         # A cryptographic hash: a collision would hand one prompt another's KV.
         chunk = array("q", tokens[index * self.block_size:(index + 1) * self.block_size]).tobytes()
         return hashlib.sha256((parent or b"") + chunk).digest()
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed cache. On CPU from an anonymous mapping, which the kernel fills with zero pages as
+    they are first touched: torch.zeros would write every byte before the worker is ready (7 s for
+    2 GiB on the 2-core machine)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    count = math.prod(shape)
+    return torch.frombuffer(mmap.mmap(-1, count * dtype.itemsize), dtype=dtype, count=count).view(shape)

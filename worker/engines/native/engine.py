@@ -11,8 +11,7 @@ waiting, no penalties) has that successor launched first, fed with its tokens on
 
 from __future__ import annotations
 
-import math
-import mmap
+import itertools
 import os
 import time
 from collections import deque
@@ -23,12 +22,12 @@ from worker.config import ConfigError
 from worker.engines.base import ModelInfo, RequestStream
 from worker.engines.detokenizer import OutputText
 from worker.engines.native import kernels as cpu_kernels
-from worker.engines.native.block_manager import BlockManager
+from worker.engines.native.block_manager import BlockManager, zeros
 from worker.engines.native.model import Batch, load_model
 from worker.engines.native.pacer import PrefillPacer
 from worker.engines.native.sequence import Sequence, Step
 from worker.engines.prompt import encode_prompt, load_tokenizer
-from worker.engines.sampler import make_generator, sample
+from worker.engines.sampler import choose, make_generator
 from worker.engines.threaded import ThreadedEngine
 from worker.errors import DeviceOutOfMemory
 from worker.models import locate_model
@@ -41,16 +40,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 ARGS = {"block_size": 16, "max_num_batched_tokens": 2048, "max_num_seqs": 64, "gpu_memory_utilization": 0.9,
         "kv_cache_dtype": "auto", "enable_prefix_caching": True, "enforce_eager": False, "cpu_threads": 0,
         "overlap_output": "auto", "quantization": "none", "prefill_chunk_s": 0.25}
-
-
-def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed cache. On CPU from an anonymous mapping, which the kernel fills with zero pages as
-    they are first touched: torch.zeros would write every byte before the worker is ready (7 s for
-    2 GiB on the 2-core machine)."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    count = math.prod(shape)
-    return torch.frombuffer(mmap.mmap(-1, count * dtype.itemsize), dtype=dtype, count=count).view(shape)
 
 
 class NativeEngine(ThreadedEngine):
@@ -128,6 +117,7 @@ class NativeEngine(ThreadedEngine):
             self.graphs = DecodeGraphs(self.model, self.k_cache, self.v_cache, int(self.args["max_num_seqs"]),
                                        -(-max_model_len // block_size), block_size, num_blocks * block_size)
         self.eos_ids = frozenset(c.eos_token_ids) | ({self.tokenizer.eos_token_id} - {None})
+        self._load_grammars(c.vocab_size, self.eos_ids)
         self.info = ModelInfo(
             served_name=engine.served_name or (engine.model if "/" not in engine.model else folder.name),
             max_model_len=max_model_len,
@@ -178,7 +168,8 @@ class NativeEngine(ThreadedEngine):
         self._inbox.put(("add", Sequence(
             stream, request, make_generator(request.sampling, self.device),
             OutputText(self.tokenizer, request.prompt_token_ids, request.sampling.stop, self.eos_ids),
-            list(request.prompt_token_ids))))
+            list(request.prompt_token_ids),
+            matcher=self.grammars.matcher(request.grammar) if request.grammar is not None else None)))
         return stream
 
     # --- engine thread ---
@@ -246,8 +237,8 @@ class NativeEngine(ThreadedEngine):
         while self._waiting and budget > 0 and len(self._running) < int(self.args["max_num_seqs"]):
             seq = self._waiting[0]
             starting = not seq.blocks
-            if starting:
-                seq.num_cached, queried = self.blocks.match_prefix(seq.blocks, seq.tokens)
+            if starting:  # a prompt being scored needs every position's logits: none from the cache
+                seq.num_cached, queried = (0, 0) if seq.scores_prompt else self.blocks.match_prefix(seq.blocks, seq.tokens)
             chunk = self.pacer.chunk(seq.num_cached, len(seq.tokens) - seq.num_cached, budget, self._step_flops)
             if not self.blocks.can_grow(seq.blocks, seq.num_cached + chunk):
                 if starting:  # a waiting sequence holds no blocks until it runs
@@ -284,7 +275,7 @@ class NativeEngine(ThreadedEngine):
             for position in range(start, start + count):
                 positions.append(position)
                 slots.append(seq.blocks.blocks[position // block_size] * block_size + position % block_size)
-            last.append(len(ids) - 1)
+            last.extend(range(len(ids) - count, len(ids)) if seq.scores_prompt else [len(ids) - 1])
         device = self.device
         batch = Batch(
             input_ids=torch.tensor(ids, device=device), positions=torch.tensor(positions, device=device),
@@ -311,21 +302,26 @@ class NativeEngine(ThreadedEngine):
                   if after else self._forward(scheduled))
         if logits is None:  # out of memory; the step's sequences have failed
             return Step([])
+        # A sequence scoring its prompt has a row per token of its chunk (see _forward), others one.
+        ends = list(itertools.accumulate(count if seq.scores_prompt else 1 for seq, count in scheduled))
+        for (seq, count), end in zip(scheduled, ends):
+            if seq.scores_prompt:
+                seq.score_prompt(logits[end - count:end], count)
         # Rows that end their sequence's known tokens get a next one (a chunk mid-prompt does not).
-        rows = [row for row, (seq, count) in enumerate(scheduled) if after or seq.num_cached + count == len(seq.tokens)]
-        if not rows:
+        at = [i for i, (seq, count) in enumerate(scheduled) if after or seq.num_cached + count == len(seq.tokens)]
+        if not at:
             return Step(scheduled)
-        if len(rows) < len(scheduled):  # else every row: no index tensor to build and copy over
-            logits = logits[rows]
-        ready = [scheduled[row][0] for row in rows]
-        tokens = sample(logits, [s.request.sampling for s in ready], [s.generator for s in ready],
-                        [s.request.prompt_token_ids for s in ready], [s.output_ids for s in ready])
+        ready = [scheduled[i][0] for i in at]
+        if len(at) < ends[-1]:  # else every row: no index tensor to build and copy over
+            logits = logits[[ends[i] - 1 for i in at]]
+        tokens, logprobs = choose(logits, ready, self.grammars)
         if not tokens.is_cuda:
-            return Step(scheduled, ready, tokens, tokens)
+            return Step(scheduled, ready, tokens, tokens, logprobs=logprobs)
         copied = torch.cuda.Event()
         host_tokens = tokens.to("cpu", non_blocking=True)
         copied.record()
-        return Step(scheduled, ready, tokens, host_tokens, copied)
+        return Step(scheduled, ready, tokens, host_tokens, copied, logprobs=logprobs)
+
 
     def _launch_ahead(self, step: Step) -> Step | None:
         """The decode step after `step`, launched before `step`'s tokens reach the host: they go
@@ -345,7 +341,7 @@ class NativeEngine(ThreadedEngine):
         growing = []
         for seq in seqs:
             params, known = seq.request.sampling, len(seq.tokens)
-            if (seq.done or params.is_penalized or len(seq.output_ids) + 1 >= params.max_tokens
+            if (seq.done or not seq.plain or len(seq.output_ids) + 1 >= params.max_tokens
                     or known >= last_position):
                 return None
             if known >= len(seq.blocks) * block_size:
@@ -369,13 +365,15 @@ class NativeEngine(ThreadedEngine):
             return []
         if step.copied is not None:
             step.copied.synchronize()  # the step's tokens, not the step launched after it
-        sampled = []
-        for seq, token in zip(step.ready, step.host_tokens.tolist()):
+        sampled, tokens = [], step.host_tokens.tolist()
+        asked = [token for seq, token in zip(step.ready, tokens) if seq.request.logprobs is not None]
+        logprobs = iter(step.logprobs.read(asked) if step.logprobs else [])
+        for seq, token in zip(step.ready, tokens):
+            seq.logprob = next(logprobs) if seq.request.logprobs is not None else None
             if seq.done:
                 continue
             params = seq.request.sampling
-            seq.tokens.append(token)
-            seq.output_ids.append(token)
+            seq.append(token)
             sampled.append((seq, token))
             if self._at_limit(seq) or seq.text.is_stop_token(token, params.stop_token_ids, params.ignore_eos):
                 self._drop(seq)
@@ -396,5 +394,5 @@ class NativeEngine(ThreadedEngine):
             text, finish = seq.text.add(token, params.stop_token_ids, params.ignore_eos, self._at_limit(seq))
             if finish is not None and not seq.done:
                 self._drop(seq)
-            outputs.append((seq.stream.put, RequestOutput(text=text, token_ids=[token], finish_reason=finish)))
+            outputs.append((seq.stream.put, seq.output(token, text, finish)))
         self._post_all(outputs)

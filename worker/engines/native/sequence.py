@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from worker.engines.base import RequestStream
 from worker.engines.detokenizer import OutputText
+from worker.engines.logprobs import Pending, of_prompt
 from worker.engines.native.block_manager import BlockTable
-from worker.request import GenerationRequest
+from worker.request import GenerationRequest, RequestOutput, TokenLogprob
+from worker.telemetry import get_logger
+
+log = get_logger(__name__)
 
 
 @dataclass(eq=False)
@@ -26,6 +31,51 @@ class Sequence:
     done: bool = False
     """Its blocks are given back: finished or aborted. A step launched before that ignores its row."""
     aborted: bool = False
+    matcher: Any = None
+    """The grammar's matcher (xgrammar), advanced with each sampled token; None when unconstrained."""
+    logprob: TokenLogprob | None = None
+    """Of the token sampled last, until it is emitted."""
+    prompt_logprobs: list[TokenLogprob] | None = None
+    """Filled chunk by chunk during the prefill when the request asked; sent with the first token."""
+
+    def __post_init__(self) -> None:
+        if self.request.prompt_logprobs is not None:
+            self.prompt_logprobs = [TokenLogprob(self.tokens[0], None)]
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Still needs logits of prompt positions (so it cannot start from cached blocks)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.request.prompt_token_ids)
+
+    def append(self, token: int) -> None:
+        """A sampled token: the cache's to hold from the next step on, the grammar's to follow now."""
+        self.tokens.append(token)
+        self.output_ids.append(token)
+        if self.matcher is not None and not self.matcher.accept_token(token):
+            log.error("grammar refused a token its mask allowed", request_id=self.request.request_id, token=token)
+
+    def output(self, token: int, text: str, finish: str | None) -> RequestOutput:
+        """The message for the token sampled last; the first carries the prompt's logprobs."""
+        output = RequestOutput(text=text, token_ids=[token], finish_reason=finish,
+                               logprobs=[self.logprob] if self.logprob else [])
+        if self.prompt_logprobs is not None and len(self.output_ids) == 1:
+            output.prompt_logprobs = self.prompt_logprobs
+        return output
+
+    def score_prompt(self, logits: torch.Tensor, count: int) -> None:
+        """Prompt logprobs from the rows of a prefill chunk of `count` tokens after the cached ones:
+        the row of position p predicts token p + 1. Rows scored before a preemption are skipped."""
+        first = len(self.prompt_logprobs) - 1 - self.num_cached
+        upto = min(count, len(self.request.prompt_token_ids) - 1 - self.num_cached)
+        if upto > first:
+            self.prompt_logprobs.extend(of_prompt(logits[first:upto], self.tokens[self.num_cached + first + 1:
+                                                                                   self.num_cached + upto + 1],
+                                                  self.request.prompt_logprobs))
+
+    @property
+    def plain(self) -> bool:
+        """Its next step needs nothing but its token: no grammar, logprobs or penalties."""
+        return self.matcher is None and self.request.logprobs is None and not self.request.sampling.is_penalized
 
 
 @dataclass(eq=False)
@@ -42,3 +92,5 @@ class Step:
     flops: float = 0.0
     """Priced by the PrefillPacer when scheduled (0 for a step launched ahead: decodes only)."""
     launched_at: float = 0.0
+    logprobs: Pending | None = None
+    """Of the `ready` rows whose requests asked, in order."""
