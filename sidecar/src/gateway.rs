@@ -18,7 +18,7 @@ use crate::proto::{PredictRequest, PredictResponse};
 use crate::routing::{is_worker_failure, pick, prefix_key, retryable, RetryBudget};
 
 /// Where a request came in, for metric labels.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Route {
     Grpc,
     Completions,

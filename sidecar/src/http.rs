@@ -13,6 +13,7 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use futures::StreamExt;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
@@ -20,8 +21,9 @@ use serde_json::{json, Value};
 use crate::auth::ApiKeys;
 use crate::error::{openai_error_body, SidecarError};
 use crate::gateway::{code_name, record_end, Gateway, Route};
-use crate::openai::{finish_reason, usage, ChatRequest, CompletionRequest};
-use crate::proto::PredictRequest;
+use crate::openai::{ChatRequest, CompletionRequest};
+use crate::proto::{PredictRequest, PredictResponse};
+use crate::reply::{usage, Reply, Shape};
 
 pub struct HttpState {
     pub gateway: Arc<Gateway>,
@@ -141,9 +143,13 @@ async fn completions(State(state): State<Arc<HttpState>>, headers: HeaderMap, bo
         Ok(request) => request,
         Err(error) => return refuse(Route::Completions, error),
     };
-    let (stream, include_usage) = (request.sampling.stream, request.sampling.include_usage());
-    match request.into_proto(&id).and_then(|proto| with_adapter(proto, &headers)) {
-        Ok(proto) => respond(state, proto, Route::Completions, id, stream, include_usage).await,
+    let (stream, include_usage, n) = (request.sampling.stream, request.sampling.include_usage(), request.sampling.choices());
+    let logprobs = request.sampling.logprobs.as_ref().is_some_and(|v| v.is_number());
+    match request.into_proto(&id).and_then(|(proto, echo)| Ok((with_adapter(proto, &headers)?, echo))) {
+        Ok((proto, echo)) => {
+            let shape = Shape { route: Route::Completions, tools: None, logprobs, echo };
+            respond(state, proto, shape, id, Options { streaming: stream, include_usage, n }).await
+        }
         Err(error) => refuse(Route::Completions, error),
     }
 }
@@ -154,9 +160,14 @@ async fn chat_completions(State(state): State<Arc<HttpState>>, headers: HeaderMa
         Ok(request) => request,
         Err(error) => return refuse(Route::ChatCompletions, error),
     };
-    let (stream, include_usage) = (request.sampling.stream, request.sampling.include_usage());
-    match request.into_proto(&id).and_then(|proto| with_adapter(proto, &headers)) {
-        Ok(proto) => respond(state, proto, Route::ChatCompletions, id, stream, include_usage).await,
+    let (stream, include_usage, n) = (request.sampling.stream, request.sampling.include_usage(), request.sampling.choices());
+    match request.into_proto(&id).and_then(|(proto, plan)| Ok((with_adapter(proto, &headers)?, plan))) {
+        Ok((proto, plan)) => {
+            let logprobs = proto.logprobs.is_some();
+            let tools = (plan.mode != crate::tools::Mode::None).then_some(plan);
+            let shape = Shape { route: Route::ChatCompletions, tools, logprobs, echo: None };
+            respond(state, proto, shape, id, Options { streaming: stream, include_usage, n }).await
+        }
         Err(error) => refuse(Route::ChatCompletions, error),
     }
 }
@@ -171,20 +182,6 @@ fn with_adapter(mut proto: PredictRequest, headers: &HeaderMap) -> Result<Predic
     Ok(proto)
 }
 
-/// One choice's payload: chat has `message`/`delta`, completions have `text`.
-fn choice(route: Route, text: &str, finish: Option<&str>, streaming: bool, first: bool) -> Value {
-    match (route, streaming) {
-        (Route::ChatCompletions, true) => {
-            let delta = if first { json!({"role": "assistant", "content": text}) } else { json!({"content": text}) };
-            json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
-        }
-        (Route::ChatCompletions, false) => {
-            json!({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": finish})
-        }
-        _ => json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish}),
-    }
-}
-
 fn object(route: Route, streaming: bool) -> &'static str {
     match (route, streaming) {
         (Route::ChatCompletions, true) => "chat.completion.chunk",
@@ -193,60 +190,76 @@ fn object(route: Route, streaming: bool) -> &'static str {
     }
 }
 
-async fn respond(
-    state: Arc<HttpState>,
-    proto: PredictRequest,
-    route: Route,
-    id: String,
+/// How the reply goes out.
+struct Options {
     streaming: bool,
     include_usage: bool,
-) -> Response {
+    /// Choices: n requests to the workers, seeded seed, seed + 1, ... when the request has a seed.
+    n: u32,
+}
+
+async fn respond(state: Arc<HttpState>, proto: PredictRequest, shape: Shape, id: String, options: Options) -> Response {
+    let route = shape.route;
     let created = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
     let model = if proto.model.is_empty() {
         state.gateway.pool.models().into_iter().next().unwrap_or_default()
     } else {
         proto.model.clone()
     };
-    let mut upstream = match state.gateway.open(proto, state.timeout, route).await {
-        Ok(upstream) => upstream,
-        Err(error) => return error.into_response(),
-    };
-    if !streaming {
-        let (mut text, mut last) = (String::new(), None);
-        while let Some(item) = upstream.next().await {
-            match item {
-                Ok(message) => {
-                    text.push_str(&message.text);
-                    last = Some(message);
-                }
-                Err(error) => return error.into_response(),
+    if let Some(missing) = state.gateway.pool.lacks(&proto.model, &proto) {
+        return refuse(route, SidecarError::InvalidRequest(missing));
+    }
+    let mut upstreams = Vec::new();
+    for index in 0..options.n {
+        let mut request = proto.clone();
+        if options.n > 1 {
+            request.request_id = format!("{}-{index}", proto.request_id);
+            if let Some(sampling) = request.sampling.as_mut() {
+                sampling.seed = sampling.seed.map(|seed| seed.wrapping_add(u64::from(index)));
             }
         }
-        let last = last.unwrap_or_default();
+        // Dropping those already open, on an error, cancels their calls on the workers.
+        match state.gateway.open(request, state.timeout, route).await {
+            Ok(upstream) => upstreams.push(upstream),
+            Err(error) => return error.into_response(),
+        }
+    }
+    if !options.streaming {
+        let collected = futures::future::join_all(upstreams.into_iter().enumerate().map(|(index, mut upstream)| async move {
+            let mut reply = Reply::new(index as u32);
+            while let Some(item) = upstream.next().await {
+                reply.absorb(item?);
+            }
+            Ok::<_, SidecarError>(reply)
+        }))
+        .await;
+        let replies = match collected.into_iter().collect::<Result<Vec<_>, _>>() {
+            Ok(replies) => replies,
+            Err(error) => return error.into_response(),
+        };
         return Json(json!({
             "id": id, "object": object(route, false), "created": created, "model": model,
-            "choices": [choice(route, &text, finish_reason(&last), false, true)],
-            "usage": usage(&last),
+            "choices": replies.iter().map(|r| r.whole(&shape)).collect::<Vec<_>>(),
+            "usage": usage(&replies),
         }))
         .into_response();
     }
-    // Dropped when the client disconnects, which drops `upstream` and cancels the worker's call.
+    // Dropped when the client disconnects, which drops every upstream and cancels the workers' calls.
+    let mut merged = futures::stream::select_all(upstreams.into_iter().enumerate().map(|(index, upstream)| {
+        Box::pin(futures::stream::unfold(upstream, |mut upstream| async move {
+            upstream.next().await.map(|item| (item, upstream))
+        }).map(move |item| (index, item)))
+    }));
     let events = async_stream::stream! {
-        let mut first = true;
-        while let Some(item) = upstream.next().await {
+        let mut replies: Vec<Reply> = (0..options.n).map(Reply::new).collect();
+        while let Some((index, item)) = merged.next().await {
             match item {
                 Ok(message) => {
-                    let finish = finish_reason(&message);
-                    if !message.text.is_empty() || finish.is_some() || first {
+                    let message: PredictResponse = message;
+                    if let Some(choice) = replies[index].delta(&shape, message) {
                         let chunk = json!({"id": id, "object": object(route, true), "created": created, "model": model,
-                                           "choices": [choice(route, &message.text, finish, true, first)]});
-                        first = false;
+                                           "choices": [choice]});
                         yield Ok::<_, Infallible>(Event::default().data(chunk.to_string()));
-                    }
-                    if finish.is_some() && include_usage {
-                        let chunk = json!({"id": id, "object": object(route, true), "created": created, "model": model,
-                                           "choices": [], "usage": usage(&message)});
-                        yield Ok(Event::default().data(chunk.to_string()));
                     }
                 }
                 Err(error) => {
@@ -254,6 +267,11 @@ async fn respond(
                     return;
                 }
             }
+        }
+        if options.include_usage {
+            let chunk = json!({"id": id, "object": object(route, true), "created": created, "model": model,
+                               "choices": [], "usage": usage(&replies)});
+            yield Ok(Event::default().data(chunk.to_string()));
         }
         yield Ok(Event::default().data("[DONE]"));
     };
@@ -309,7 +327,8 @@ mod tests {
     async fn errors_in_openai_shape() {
         let cases = [
             ("/v1/completions", "{not json", StatusCode::BAD_REQUEST),
-            ("/v1/completions", r#"{"prompt": "x", "n": 3}"#, StatusCode::BAD_REQUEST),
+            ("/v1/completions", r#"{"prompt": "x", "n": 30}"#, StatusCode::BAD_REQUEST),
+            ("/v1/chat/completions", r#"{"messages": [], "frobnicate": 1}"#, StatusCode::BAD_REQUEST),
             ("/v1/chat/completions", r#"{"model": "llama-9000", "messages": [{"role": "user", "content": "hi"}]}"#, StatusCode::NOT_FOUND),
             ("/v1/chat/completions", r#"{"model": "smol", "messages": [{"role": "user", "content": "hi"}]}"#, StatusCode::SERVICE_UNAVAILABLE),
         ];

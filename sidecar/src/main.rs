@@ -13,7 +13,9 @@ mod openai;
 mod pool;
 mod probe;
 mod proto;
+mod reply;
 mod routing;
+mod tools;
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;

@@ -18,7 +18,9 @@ use tower::service_fn;
 use crate::breaker::Breaker;
 use crate::config::Args;
 use crate::proto::worker_control_client::WorkerControlClient;
-use crate::proto::{GetInfoRequest, GetLoadRequest, WorkerInfo, INFERENCE_SERVICE};
+use crate::proto::predict_request::Input;
+use crate::proto::structured_output::Kind;
+use crate::proto::{Capabilities, GetInfoRequest, GetLoadRequest, PredictRequest, WorkerInfo, INFERENCE_SERVICE};
 
 /// How the sidecar talks to and watches its workers (from the flags).
 #[derive(Clone, Debug)]
@@ -66,6 +68,8 @@ pub struct Worker {
     pub channel: Channel,
     pub breaker: Breaker,
     models: RwLock<Vec<String>>,
+    /// What its engine does beyond plain text (GetInfo).
+    capabilities: RwLock<Capabilities>,
     /// The worker's own health: its inference service SERVING.
     ready: AtomicBool,
     /// It answered its last GetLoad within the probe timeout.
@@ -96,6 +100,7 @@ impl Worker {
             channel,
             breaker,
             models: RwLock::new(Vec::new()),
+            capabilities: RwLock::new(Capabilities::default()),
             ready: AtomicBool::new(false),
             responsive: AtomicBool::new(true),
             misconfigured: RwLock::new(None),
@@ -205,6 +210,43 @@ impl Pool {
         self.workers.iter().flat_map(|w| w.models()).collect()
     }
 
+    /// What a request asks that no ready worker serving its model can do, named; None when one can
+    /// (or when none is ready: routing then says so).
+    pub fn lacks(&self, model: &str, request: &PredictRequest) -> Option<String> {
+        let able: Vec<Capabilities> = self
+            .workers
+            .iter()
+            .filter(|w| w.is_ready() && w.serves(model))
+            .map(|w| w.capabilities.read().unwrap().clone())
+            .collect();
+        let mut needs: Vec<(String, Box<dyn Fn(&Capabilities) -> bool>)> = Vec::new();
+        if let Some(kind) = request.structured_output.as_ref().and_then(|s| s.kind.as_ref()) {
+            let name = match kind {
+                Kind::JsonSchema(_) => "json_schema",
+                Kind::JsonObject(_) => "json_object",
+                Kind::Regex(_) => "regex",
+                Kind::Grammar(_) => "grammar",
+                Kind::Choice(_) => "choice",
+            };
+            needs.push((format!("structured output ({name})"), Box::new(move |c| c.structured_output.iter().any(|k| k == name))));
+        }
+        for (field, count) in [("logprobs", request.logprobs), ("prompt logprobs (echo)", request.prompt_logprobs)] {
+            if let Some(count) = count {
+                needs.push((field.to_string(), Box::new(move |c| c.max_logprobs >= count.max(1))));
+            }
+        }
+        if matches!(&request.input, Some(Input::Chat(chat)) if !chat.tools_json.is_empty()) {
+            needs.push(("tools".to_string(), Box::new(|c| c.tools)));
+        }
+        if able.is_empty() {
+            return None;
+        }
+        needs
+            .into_iter()
+            .find(|(_, can)| !able.iter().any(|c| can(c)))
+            .map(|(what, _)| format!("{what} is not supported by the engine serving this model"))
+    }
+
     pub fn knows(&self, model: &str) -> bool {
         model.is_empty() || self.workers.iter().any(|w| w.models().iter().any(|m| m == model))
     }
@@ -270,6 +312,7 @@ async fn watch_once(worker: &Arc<Worker>, watch: &Watch) -> Result<(), tonic::St
             }
             *worker.misconfigured.write().unwrap() = conflict;
             *worker.models.write().unwrap() = info.models;
+            *worker.capabilities.write().unwrap() = info.capabilities.unwrap_or_default();
         }
         if ready != worker.is_ready() {
             tracing::info!(worker = %worker.name, ready, models = ?worker.models(), "worker readiness");

@@ -48,6 +48,8 @@ class Grammars:
         # Its cache keys on the constraint's text: a repeated schema compiles once.
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=min(8, os.cpu_count() or 1), cache_enabled=True)
         self._bitmask: torch.Tensor | None = None
+        # A copy: the property converts the whole vocabulary from C++ on every read (~0.1 s).
+        self._vocab: list[bytes] = self.info.decoded_vocab
 
     def compile(self, constraint: Constraint) -> Any:
         """The compiled grammar; InvalidRequest with the compiler's message when it is malformed."""
@@ -87,8 +89,7 @@ class Grammars:
 
     def token_bytes(self, token_id: int) -> bytes:
         """The token's own bytes (byte-level and byte-fallback vocabularies decoded)."""
-        vocab = self.info.decoded_vocab
-        return vocab[token_id] if 0 <= token_id < len(vocab) else b""
+        return self._vocab[token_id] if 0 <= token_id < len(self._vocab) else b""
 
 
 def choice_grammar(spec: str) -> str:

@@ -49,6 +49,7 @@ class VLLMEngine(BaseEngine):
         self._requests: dict[int, tuple[str, asyncio.Task]] = {}
 
     def _engine_args(self, folder: str) -> Any:
+        from vllm.config import StructuredOutputsConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
 
         engine = self.config.engine
@@ -59,6 +60,9 @@ class VLLMEngine(BaseEngine):
             "served_model_name": engine.served_name or _served_name(engine.model, folder),
             "dtype": engine.dtype if engine.dtype != "auto" else ("float32" if on_cpu else "auto"),
             "disable_log_stats": True,
+            # xgrammar and compact JSON, as the other engines: "auto" hands schemas with keywords it
+            # reads as unsupported (maxLength) to llguidance, which then emits free whitespace.
+            "structured_outputs_config": StructuredOutputsConfig(backend="xgrammar", disable_any_whitespace=True),
         }
         if engine.max_model_len:
             defaults["max_model_len"] = engine.max_model_len
