@@ -259,6 +259,11 @@ def test_connections_over_the_cap_are_closed_at_once(worker_process, sidecar):
     worker.wait_ready()
     front = sidecar([worker.socket_path], "--max-connections", "20")
     front.wait_ready()
+    # wait_ready's own connection holds a slot until the sidecar has seen it close.
+    deadline = time.monotonic() + 5
+    while metric(front, "cyllm_sidecar_connections_open", listener="http") > 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
     held = open_connections(front.http_port, 20, b"")
     deadline = time.monotonic() + 5
     while metric(front, "cyllm_sidecar_connections_open", listener="http") < 20:  # each accepted, holding a slot
