@@ -222,7 +222,8 @@ def test_a_mixed_batch_gives_each_request_what_it_gives_alone(api):
         pytest.skip("batching of constrained and plain rows is the native engine's")
     fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}
     kinds = [dict(response_format=fmt), dict(), dict(logprobs=True, top_logprobs=2),
-             dict(extra_body={"guided_regex": r"[a-z ]{5,20}\."}), dict(), dict(response_format=fmt)]
+             dict(extra_body={"guided_regex": r"[a-z ]{5,20}\."}), dict(), dict(response_format=fmt),
+             dict(frequency_penalty=1.5)]
 
     def one(fields):
         reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Describe a cat."}],

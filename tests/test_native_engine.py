@@ -385,3 +385,60 @@ async def test_steps_launched_ahead_end_each_stream_at_its_token(tiny_llama, mon
         assert engine.num_unfinished() == 0 and engine.blocks.num_free == engine.blocks.num_blocks
     finally:
         await engine.unload_model()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="steps are launched ahead on CUDA, through the graphs")
+async def test_rows_that_need_their_token_on_the_host_are_sampled_after_it_is_read(tiny_llama, monkeypatch):
+    """A grammar's mask, penalties and logprobs need a row's last token on the host. Launched ahead,
+    such a step's forward pass is queued first and its sampling once that token is read: every
+    request must get what it gets from an engine that never launches ahead."""
+    import json
+    import re
+
+    from worker.request import Constraint
+
+    launched = []
+    launch_ahead = NativeEngine._launch_ahead
+    monkeypatch.setattr(NativeEngine, "_launch_ahead", lambda self, step: launched.append(launch_ahead(self, step)) or launched[-1])
+    prompt = list(range(2, 42))
+    kinds = {"grammar": dict(constraint=Constraint("regex", "(t7|t9){3,40}")), "penalty": dict(repetition_penalty=1.5),
+             "logprobs": dict(logprobs=3), "seeded": dict(temperature=1.0, seed=7), "plain": {}}
+
+    async def run(overlap: str) -> dict:
+        config = load_config(None, {"HOME": "/tmp"}, {
+            "engine.name": "native", "engine.model": str(tiny_llama), "engine.dtype": "float32",
+            "engine.device": "cuda", "engine.args": json.dumps({"overlap_output": overlap})})
+        engine = NativeEngine(config)
+        await engine.load_model()
+
+        async def one(index: int, kind: str) -> tuple[list[int], list[float]]:
+            extra = dict(kinds[kind])
+            constraint, logprobs = extra.pop("constraint", None), extra.pop("logprobs", None)
+            request = GenerationRequest(request_id=f"{kind}-{overlap}", prompt_token_ids=prompt[index:],
+                                        sampling=SamplingParams(max_tokens=24, ignore_eos=constraint is None, **extra),
+                                        constraint=constraint, logprobs=logprobs)
+            engine.prepare(request)
+            tokens, values = [], []
+            async for out in engine.stream_predict(request):
+                tokens += out.token_ids
+                values += [entry.logprob for entry in out.logprobs or ()]
+            return tokens, values
+
+        try:
+            replies = await asyncio.gather(*(one(i, kind) for i, kind in enumerate(kinds)))
+            assert engine.num_unfinished() == 0 and engine.blocks.num_free == engine.blocks.num_blocks
+            return dict(zip(kinds, replies))
+        finally:
+            await engine.unload_model()
+
+    late = await run("true")
+    assert sum(step is not None for step in launched) > 10  # steps holding every kind of row went ahead
+    launched.clear()
+    eager = await run("false")
+    assert not any(launched)
+    for kind in kinds:
+        assert late[kind][0] == eager[kind][0], kind
+        assert late[kind][1] == pytest.approx(eager[kind][1], abs=1e-4), kind
+    text = "".join(f"t{token}" for token in late["grammar"][0] if token != 1)
+    assert re.fullmatch("(t7|t9){3,40}", text), text
+    assert len(late["logprobs"][1]) == 24

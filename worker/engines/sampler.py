@@ -24,7 +24,9 @@ def choose(logits: torch.Tensor, rows: list[Row], grammars: Any) -> tuple[torch.
     logprobs from the raw logits, then the grammars' masks, then sampling. Modifies logits."""
     asked = [row for row, r in enumerate(rows) if r.request.logprobs is not None]
     raw = lp.log_softmax(logits[asked] if len(asked) < len(rows) else logits) if asked else None
-    constrained = [row for row, r in enumerate(rows) if r.matcher is not None]
+    # A grammar that has accepted its stop token has no next mask: its row, computed a step ahead
+    # for a sequence that token ended, is dropped unread.
+    constrained = [row for row, r in enumerate(rows) if r.matcher is not None and not r.matcher.is_terminated()]
     if constrained:
         grammars.mask(logits, constrained, [rows[row].matcher for row in constrained])
     tokens = sample(logits, [r.request.sampling for r in rows], [r.generator for r in rows],

@@ -6,7 +6,8 @@ running sequence is preempted (its blocks freed, its tokens recomputed later). l
 forward pass and the sampling on the device; read() waits for the tokens. On CUDA the thread keeps the
 device busy while it works: a step's tokens become text and messages (emit) while the next step runs,
 and a decode step whose successor is known before its tokens are (the same sequences, nothing
-waiting, no penalties) has that successor launched first, fed with its tokens on the device.
+waiting) has that successor's forward pass launched first, fed with its tokens on the device; its
+sampling too, unless a row needs its last token on the host first (a grammar, penalties, logprobs).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from worker.engines.native.model import Batch, load_model
 from worker.engines.native.pacer import PrefillPacer
 from worker.engines.native.sequence import Sequence, Step
 from worker.engines.prompt import encode_prompt, load_tokenizer
-from worker.engines.sampler import choose, make_generator
+from worker.engines.sampler import make_generator
 from worker.engines.threaded import ThreadedEngine
 from worker.errors import DeviceOutOfMemory
 from worker.models import locate_model
@@ -184,6 +185,8 @@ class NativeEngine(ThreadedEngine):
             ahead = self._launch_ahead(step) if self.overlap else None
             self._emit()  # with overlap: while the step runs on the device
             self._pending = self._read(step)
+            if ahead is not None and ahead.logits is not None:  # its forward pass runs while the masks fill
+                ahead.sample(self.grammars)
             self.last_step_at = time.monotonic()
             if step.flops:  # priced: it may have prefilled
                 self.pacer.record(step.flops, self.last_step_at - step.launched_at, sum(c for _, c in step.scheduled if c > 1))
@@ -314,21 +317,15 @@ class NativeEngine(ThreadedEngine):
         ready = [scheduled[i][0] for i in at]
         if len(at) < ends[-1]:  # else every row: no index tensor to build and copy over
             logits = logits[[ends[i] - 1 for i in at]]
-        tokens, logprobs = choose(logits, ready, self.grammars)
-        if not tokens.is_cuda:
-            return Step(scheduled, ready, tokens, tokens, logprobs=logprobs)
-        copied = torch.cuda.Event()
-        host_tokens = tokens.to("cpu", non_blocking=True)
-        copied.record()
-        return Step(scheduled, ready, tokens, host_tokens, copied, logprobs=logprobs)
-
+        step = Step(scheduled, ready, logits=logits)
+        # Launched ahead, a row that needs its last token on the host is sampled once `after` is read.
+        return step if after and not all(seq.plain for seq in ready) else step.sample(self.grammars)
 
     def _launch_ahead(self, step: Step) -> Step | None:
         """The decode step after `step`, launched before `step`'s tokens reach the host: they go
         from the sampler into the graph's inputs on the device, so the device does not wait while
         this thread reads them and schedules. Only where that step is already known: every row of
-        `step` samples and none can end by its length, nothing waits to join, no penalties (they
-        need the tokens on the host) and the blocks are free. Rows of sequences that the pending
+        `step` samples and none can end by its length, nothing waits to join and the blocks are free. Rows of sequences that the pending
         tokens end (EOS, a stop) are computed and dropped; their slot writes land in blocks that
         stream order keeps from anyone else until this step is done."""
         seqs = step.ready
@@ -341,7 +338,7 @@ class NativeEngine(ThreadedEngine):
         growing = []
         for seq in seqs:
             params, known = seq.request.sampling, len(seq.tokens)
-            if (seq.done or not seq.plain or len(seq.output_ids) + 1 >= params.max_tokens
+            if (seq.done or len(seq.output_ids) + 1 >= params.max_tokens
                     or known >= last_position):
                 return None
             if known >= len(seq.blocks) * block_size:

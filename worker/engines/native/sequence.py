@@ -11,6 +11,7 @@ from worker.engines.base import RequestStream
 from worker.engines.detokenizer import OutputText
 from worker.engines.logprobs import Pending, of_prompt
 from worker.engines.native.block_manager import BlockTable
+from worker.engines.sampler import choose
 from worker.request import GenerationRequest, RequestOutput, TokenLogprob
 from worker.telemetry import get_logger
 
@@ -74,7 +75,8 @@ class Sequence:
 
     @property
     def plain(self) -> bool:
-        """Its next step needs nothing but its token: no grammar, logprobs or penalties."""
+        """Its next token is chosen from the logits alone: no grammar, logprobs or penalties, which
+        need its last token on the host first (the grammar's state, the output so far)."""
         return self.matcher is None and self.request.logprobs is None and not self.request.sampling.is_penalized
 
 
@@ -94,3 +96,16 @@ class Step:
     launched_at: float = 0.0
     logprobs: Pending | None = None
     """Of the `ready` rows whose requests asked, in order."""
+    logits: torch.Tensor | None = None
+    """The ready rows' logits, until sample() has queued their sampling."""
+
+    @torch.inference_mode()  # penalties write into the logits, which the forward made inference tensors
+    def sample(self, grammars: Any) -> Step:
+        """Queues the ready rows' sampling, and the tokens' copy to the host; nothing waits."""
+        self.tokens, self.logprobs = choose(self.logits, self.ready, grammars)
+        self.host_tokens, self.logits = self.tokens, None
+        if self.tokens.is_cuda:
+            self.copied = torch.cuda.Event()
+            self.host_tokens = self.tokens.to("cpu", non_blocking=True)
+            self.copied.record()
+        return self
