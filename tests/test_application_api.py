@@ -157,18 +157,48 @@ def test_required_and_named_tool_calls_validate_and_a_second_turn_answers(api):
         jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
         streamed = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice=choice,
                                                   parallel_tool_calls=False, temperature=0, max_tokens=60, stream=True)
-        name, arguments, finish = "", "", None
+        name, arguments, finish, pieces = "", "", None, 0
         for chunk in streamed:
             for delta_call in chunk.choices[0].delta.tool_calls or []:
+                assert delta_call.index == 0
                 name += delta_call.function.name or ""
                 arguments += delta_call.function.arguments or ""
+                pieces += bool(delta_call.function.arguments)
             finish = chunk.choices[0].finish_reason or finish
         assert (name, json.loads(arguments), finish) == ("get_weather", json.loads(call.function.arguments), "tool_calls")
+        assert pieces > 3, pieces  # the arguments stream as they are generated
     history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
                {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21, "sky": "clear"}'}]
     second = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], tool_choice="none",
                                             temperature=0, max_tokens=30)
     assert second.choices[0].message.content and not second.choices[0].message.tool_calls
+
+
+def test_auto_tool_choice_streams_what_it_answers_whole(api):
+    """`auto` leaves the choice to the model: text streams as content as it comes, calls arrive
+    whole; either way the stream reassembles into the non-streamed answer (greedy)."""
+    client, _, _ = api
+    for messages in (ASK, [{"role": "user", "content": "Say hello to Ann."}]):
+        kwargs = dict(model=MODEL, messages=messages, tools=[WEATHER], temperature=0, max_tokens=40)
+        whole = client.chat.completions.create(**kwargs).choices[0]
+        content, calls, chunks, finish = "", {}, 0, None
+        for chunk in client.chat.completions.create(**kwargs, stream=True):
+            delta = chunk.choices[0].delta
+            chunks += bool(delta.content)
+            content += delta.content or ""
+            for call in delta.tool_calls or []:
+                entry = calls.setdefault(call.index, {"name": "", "arguments": ""})
+                entry["name"] += call.function.name or ""
+                entry["arguments"] += call.function.arguments or ""
+            finish = chunk.choices[0].finish_reason or finish
+        assert finish == whole.finish_reason
+        if whole.message.tool_calls:
+            assert finish == "tool_calls"
+            assert [(c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls] == [
+                (c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())]
+        else:
+            assert content == whole.message.content and not calls
+            assert chunks > 3, chunks  # text is not held back
 
 
 def test_logprobs_equal_transformers_forward_pass(api, reference):

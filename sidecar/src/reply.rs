@@ -5,7 +5,7 @@ use serde_json::{json, Map, Value};
 
 use crate::gateway::Route;
 use crate::proto::{FinishReason, PredictResponse, TokenLogprob, Usage};
-use crate::tools::ToolPlan;
+use crate::tools::{self, CallDelta, CallStream, Mode, ToolPlan};
 
 /// What the request asked of every choice's shape.
 pub struct Shape {
@@ -29,6 +29,11 @@ pub struct Reply {
     /// Characters of text sent before this delta, for completions' text_offset.
     offset: usize,
     call_id: String,
+    /// A streamed `required` answer's calls, read as they arrive.
+    calls: Option<CallStream>,
+    /// A streamed `auto` answer: bytes of its text sent as content; whether calls were sent.
+    sent: usize,
+    called: bool,
 }
 
 pub fn finish_reason(response: &PredictResponse) -> Option<&'static str> {
@@ -106,25 +111,8 @@ impl Reply {
         }
         let first = !self.started;
         let plan = shape.tools.as_ref();
-        if plan.is_some_and(ToolPlan::buffers) {
-            // Text or calls: known only once the answer is whole.
-            self.absorb(message);
-            if finish.is_none() {
-                return None;
-            }
-            self.started = true;
-            let mut choice = self.whole(shape);
-            let mut delta = choice["message"].take();
-            if delta["content"].is_null() {
-                if let Some(calls) = delta["tool_calls"].as_array_mut() {
-                    for (i, call) in calls.iter_mut().enumerate() {
-                        call["index"] = json!(i);
-                    }
-                }
-            }
-            choice.as_object_mut().map(|o| o.remove("message"));
-            choice["delta"] = delta;
-            return Some(choice);
+        if let Some(plan) = plan.filter(|p| p.finds_calls()) {
+            return self.tool_delta(shape, plan, message, finish);
         }
         if message.text.is_empty() && message.logprobs.is_empty() && message.prompt_logprobs.is_empty() && finish.is_none() && !first {
             return None;
@@ -159,6 +147,52 @@ impl Reply {
                 finish
             }
         };
+        Some(json!({"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}))
+    }
+
+    /// A streamed delta of an answer that may be calls (`required`, `auto`). `required` sends each
+    /// call's name, then its arguments as they come; `auto` sends text as content until a call may
+    /// be starting, and the calls it finds once the answer is whole.
+    fn tool_delta(&mut self, shape: &Shape, plan: &ToolPlan, message: PredictResponse, finish: Option<&'static str>) -> Option<Value> {
+        let logprobs = self.logprobs_json(shape, &message.prompt_logprobs, &message.logprobs, 0);
+        self.text.push_str(&message.text);
+        let mut content = "";
+        let calls = if plan.mode == Mode::Required {
+            self.calls.get_or_insert_with(CallStream::default).push(&message.text)
+        } else {
+            let found = finish.and_then(|_| plan.calls(&self.text)).unwrap_or_default();
+            let upto = if finish.is_some() && found.is_empty() { self.text.len() } else { tools::text_part(&self.text) };
+            if upto > self.sent {
+                content = &self.text[self.sent..upto];
+                self.sent = upto;
+            }
+            found.into_iter().enumerate().map(|(index, c)| CallDelta { index, name: Some(c.name), arguments: c.arguments }).collect()
+        };
+        let mut delta = Map::new();
+        if !self.started {
+            delta.insert("role".into(), json!("assistant"));
+        }
+        if !content.is_empty() {
+            delta.insert("content".into(), json!(content));
+        }
+        if !calls.is_empty() {
+            let calls: Vec<Value> = calls.into_iter().map(|c| {
+                let mut call = json!({"index": c.index, "function": {"arguments": c.arguments}});
+                if let Some(name) = c.name {
+                    call["id"] = json!(if c.index == 0 { self.call_id.clone() } else { call_id() });
+                    call["type"] = json!("function");
+                    call["function"]["name"] = json!(name);
+                }
+                call
+            }).collect();
+            delta.insert("tool_calls".into(), json!(calls));
+            self.called = true;
+        }
+        if delta.is_empty() && logprobs.is_null() && finish.is_none() {
+            return None;
+        }
+        self.started = true;
+        let finish = if self.called { self.tool_finish() } else { finish };
         Some(json!({"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}))
     }
 

@@ -109,8 +109,8 @@ impl ToolPlan {
         }
     }
 
-    /// Whether the answer must be read whole before it is known to be text or calls.
-    pub fn buffers(&self) -> bool {
+    /// Whether calls are read from the answer's text (`auto`, `required`), not the text itself.
+    pub fn finds_calls(&self) -> bool {
         matches!(self.mode, Mode::Auto | Mode::Required)
     }
 
@@ -137,6 +137,119 @@ impl ToolPlan {
         let known = calls.iter().all(|c| self.names.contains(&c.name));
         (!calls.is_empty() && known).then_some(calls)
     }
+}
+
+/// What one streamed `tool_calls` delta says of a call: its name the first time, then more of its
+/// arguments' text.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CallDelta {
+    pub index: usize,
+    pub name: Option<String>,
+    pub arguments: String,
+}
+
+/// The calls of a `required` answer, read as its text arrives. Its constraint makes it a JSON array
+/// of `{"name": ..., "arguments": {...}}` objects, keys in that order: a call's name goes out once
+/// its string is whole, then its arguments' text as it grows.
+#[derive(Default)]
+pub struct CallStream {
+    text: String,
+    depth: usize,
+    in_string: bool,
+    escaped: bool,
+    calls: Vec<Open>,
+}
+
+/// A call of the stream: where its object starts in the text, where its arguments start (once its
+/// name is read) and end, and how much of them was sent.
+#[derive(Default)]
+struct Open {
+    start: usize,
+    arguments: Option<usize>,
+    end: Option<usize>,
+    sent: usize,
+}
+
+impl CallStream {
+    pub fn push(&mut self, more: &str) -> Vec<CallDelta> {
+        let from = self.text.len();
+        self.text.push_str(more);
+        for (i, c) in more.char_indices() {
+            if self.in_string {
+                match c {
+                    _ if self.escaped => self.escaped = false,
+                    '\\' => self.escaped = true,
+                    '"' => self.in_string = false,
+                    _ => {}
+                }
+                continue;
+            }
+            match c {
+                '"' => self.in_string = true,
+                '{' | '[' => {
+                    self.depth += 1;
+                    if c == '{' && self.depth == 2 {
+                        self.calls.push(Open { start: from + i, ..Default::default() });
+                    }
+                }
+                '}' | ']' => {
+                    if c == '}' && self.depth == 3 {
+                        if let Some(call) = self.calls.last_mut() {
+                            call.end = Some(from + i + 1);
+                        }
+                    }
+                    self.depth = self.depth.saturating_sub(1);
+                }
+                _ => {}
+            }
+        }
+        let mut out = Vec::new();
+        for (index, call) in self.calls.iter_mut().enumerate() {
+            let mut name = None;
+            if call.arguments.is_none() {
+                let Some((called, length)) = header(&self.text[call.start..]) else { continue };
+                call.arguments = Some(call.start + length);
+                call.sent = call.start + length;
+                name = Some(called);
+            }
+            let upto = call.end.unwrap_or(self.text.len());
+            if name.is_some() || upto > call.sent {
+                out.push(CallDelta { index, name, arguments: self.text[call.sent..upto].to_owned() });
+                call.sent = upto;
+            }
+        }
+        out
+    }
+}
+
+/// A call object's `{"name": "...", "arguments": ` once whole: the name and the header's length.
+fn header(text: &str) -> Option<(String, usize)> {
+    let mut rest = text.strip_prefix('{')?;
+    for token in ["\"name\"", ":", "\""] {
+        rest = rest.trim_start().strip_prefix(token)?;
+    }
+    let (name, after) = rest.split_once('"')?;
+    let mut rest = after;
+    for token in [",", "\"arguments\"", ":"] {
+        rest = rest.trim_start().strip_prefix(token)?;
+    }
+    let rest = rest.trim_start();
+    rest.starts_with('{').then(|| (name.to_owned(), text.len() - rest.len()))
+}
+
+/// How much of an `auto` answer is surely text: all of it, but for a call's possible start (an
+/// answer opening with `{`, a `<tool_call>` tag, or the tag's first characters at its end).
+pub fn text_part(text: &str) -> usize {
+    const TAG: &str = "<tool_call>";
+    let trimmed = text.trim_start();
+    if trimmed.is_empty() || trimmed.starts_with('{') {
+        return 0;
+    }
+    if let Some(at) = text.find(TAG) {
+        return at;
+    }
+    let partial = (1..TAG.len()).rev().find(|&n| text.ends_with(&TAG[..n])).unwrap_or(0);
+    text.len() - partial
 }
 
 fn call_of(value: &Value) -> Option<Call> {
@@ -173,6 +286,36 @@ mod tests {
         assert_eq!(plan.calls(text).unwrap()[0].name, "get_weather");
         assert_eq!(plan.calls("It is sunny."), None);
         assert_eq!(plan.calls(r#"{"name": "unknown_tool", "arguments": {}}"#), None);
+    }
+
+    #[test]
+    fn required_calls_stream_their_names_then_their_arguments() {
+        let plan = plan(Some(&weather()), Some(&json!("required")), true).unwrap();
+        let Some(Kind::JsonSchema(schema)) = plan.constraint.clone().unwrap().kind else { panic!("a schema") };
+        let name_at = schema.find("\"name\"").unwrap();
+        assert!(name_at < schema.find("\"arguments\"").unwrap(), "name first: {schema}");
+        let text = r#"[{"name": "get_weather", "arguments": {"city": "Pa\"ris", "n": {"a": [1]}}}, {"name": "get_weather", "arguments": {}}]"#;
+        let mut stream = CallStream::default();
+        let mut pieces = Vec::new();
+        for chunk in text.as_bytes().chunks(3) {  // splits names, keys and escapes
+            pieces.extend(stream.push(std::str::from_utf8(chunk).unwrap()));
+        }
+        let starts: Vec<_> = pieces.iter().filter_map(|p| p.name.clone().map(|n| (p.index, n))).collect();
+        assert_eq!(starts, vec![(0, "get_weather".to_owned()), (1, "get_weather".to_owned())]);
+        let arguments = |index| pieces.iter().filter(|p| p.index == index).map(|p| p.arguments.as_str()).collect::<String>();
+        assert_eq!(arguments(0), r#"{"city": "Pa\"ris", "n": {"a": [1]}}"#);
+        assert_eq!(arguments(1), "{}");
+        assert_eq!(plan.calls(text).unwrap().len(), 2);
+    }
+
+    #[test]
+    fn auto_answers_stream_as_text_up_to_a_possible_call() {
+        assert_eq!(text_part("  "), 0);
+        assert_eq!(text_part(" {\"name\""), 0);
+        assert_eq!(text_part("It is sunny"), 11);
+        assert_eq!(text_part("Let me check. <tool"), 14);
+        assert_eq!(text_part("Let me check. <tool_call>{"), 14);
+        assert_eq!(text_part("a < b"), 5);
     }
 
     #[test]
