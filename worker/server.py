@@ -53,11 +53,13 @@ class ControlServicer(pb_grpc.WorkerControlServicer):
 
     async def GetLoad(self, request, context) -> pb.WorkerLoad:
         load = self.worker.scheduler.load()
+        prefix = self.worker.engine.prefix_cache_stats()
         return pb.WorkerLoad(
             running=load.running, queued=load.queued, max_concurrency=load.max_concurrency,
             max_queue=load.max_queue, budget_tokens_used=load.budget_used,
             budget_tokens_total=load.budget_total, ready=self.worker.inference.ready,
-            draining=load.draining)
+            draining=load.draining, prefix_queried_tokens=prefix[0] if prefix else None,
+            prefix_hit_tokens=prefix[1] if prefix else None)
 
     async def Metrics(self, request, context) -> pb.MetricsText:
         return pb.MetricsText(text=self.worker.metrics.render())

@@ -76,7 +76,7 @@ impl Gateway {
         let started = Instant::now();
         let result = self.admit(&request);
         if let Err(error) = result {
-            record_end(route, "none", code_name(error.code()), started, None);
+            record_end(route, &request.request_id, "none", code_name(error.code()), started, None);
             return Err(error);
         }
         let permit = result?;
@@ -121,6 +121,7 @@ impl Gateway {
                         first,
                         rest,
                         status: "CANCELLED",
+                        request_id: request.request_id.clone(),
                         _guard: guard,
                         _permit: permit,
                     });
@@ -135,17 +136,17 @@ impl Gateway {
                     drop(guard);
                     let error = SidecarError::Upstream(status);
                     if !retryable(code) || attempt == self.max_retries || !self.budget.try_spend() {
-                        record_end(route, &worker.name, code_name(error.code()), started, None);
+                        record_end(route, &request.request_id, &worker.name, code_name(error.code()), started, None);
                         return Err(error);
                     }
                     metrics::counter!("cyllm_sidecar_retries_total", "route" => route.as_str(), "code" => code_name(code)).increment(1);
-                    tracing::info!(worker = %worker.name, code = code_name(code), "retrying on another worker");
+                    tracing::info!(request_id = %request.request_id, worker = %worker.name, code = code_name(code), "retrying on another worker");
                     last_error = Some(error);
                 }
             }
         }
         let error = last_error.unwrap_or_else(|| SidecarError::NoWorker(request.model.clone()));
-        record_end(route, "none", code_name(error.code()), started, None);
+        record_end(route, &request.request_id, "none", code_name(error.code()), started, None);
         Err(error)
     }
 
@@ -240,6 +241,7 @@ pub struct Upstream {
     first: Option<PredictResponse>,
     rest: Streaming<PredictResponse>,
     status: &'static str,
+    request_id: String,
     _guard: OutstandingGuard,
     _permit: OwnedSemaphorePermit,
 }
@@ -255,7 +257,7 @@ impl Upstream {
         let Some(received) = unless_stalled(&self.worker, self.last_message, self.stall_timeout, self.rest.message()).await
         else {
             let error = SidecarError::WorkerStalled(self.worker.name.clone(), self.last_message.elapsed().as_secs());
-            tracing::warn!(worker = %self.worker.name, "stream ended: its worker stopped answering");
+            tracing::warn!(request_id = %self.request_id, worker = %self.worker.name, "stream ended: its worker stopped answering");
             self.status = code_name(error.code());
             return Some(Err(error));
         };
@@ -283,15 +285,17 @@ impl Drop for Upstream {
         // A client whose deadline passed mid-stream resets the call: that is its deadline, not a cancel.
         let past_deadline = self.deadline.is_some_and(|d| Instant::now() + DEADLINE_SLACK >= d);
         let status = if self.status == "CANCELLED" && past_deadline { "DEADLINE_EXCEEDED" } else { self.status };
-        record_end(self.route, &self.worker.name, status, self.started, self.first_at);
+        record_end(self.route, &self.request_id, &self.worker.name, status, self.started, self.first_at);
     }
 }
 
 /// A stream dropped this close to its deadline ended by it (the client's clock runs a little ahead).
 const DEADLINE_SLACK: Duration = Duration::from_millis(50);
 
-pub fn record_end(route: Route, worker: &str, status: &'static str, started: Instant, first_at: Option<Instant>) {
+/// A request's end: counted, timed, and logged with its id (the worker logs the same id).
+pub fn record_end(route: Route, request_id: &str, worker: &str, status: &'static str, started: Instant, first_at: Option<Instant>) {
     let route = route.as_str();
+    tracing::info!(request_id, route, worker, status, seconds = started.elapsed().as_secs_f64(), "request ended");
     metrics::counter!("cyllm_sidecar_requests_total", "route" => route, "status" => status, "worker" => worker.to_string())
         .increment(1);
     metrics::histogram!("cyllm_sidecar_upstream_latency_seconds", "route" => route).record(started.elapsed().as_secs_f64());

@@ -12,6 +12,7 @@ use crate::auth::ApiKeys;
 use crate::gateway::{Gateway, Route};
 use crate::proto::inference_service_server::InferenceService;
 use crate::proto::{PredictRequest, PredictResponse};
+use crate::request_id;
 
 pub struct InferenceProxy {
     pub gateway: Arc<Gateway>,
@@ -25,7 +26,10 @@ impl InferenceService for InferenceProxy {
 
     async fn stream_predict(&self, request: Request<PredictRequest>) -> Result<Response<ResponseStream>, Status> {
         let timeout = grpc_timeout(request.metadata());
-        let mut upstream = self.gateway.open(request.into_inner(), timeout, Route::Grpc).await?;
+        let id = request_id::of_grpc(&request.get_ref().request_id, request.metadata()).map_err(Status::from)?;
+        let mut forwarded = request.into_inner();
+        forwarded.request_id = id.clone();
+        let mut upstream = self.gateway.open(forwarded, timeout, Route::Grpc).await?;
         // Dropped when the client leaves: that drops `upstream`, which cancels the worker's call.
         let stream = async_stream::stream! {
             while let Some(item) = upstream.next().await {
@@ -38,7 +42,11 @@ impl InferenceService for InferenceProxy {
                 }
             }
         };
-        Ok(Response::new(Box::pin(stream)))
+        let mut response = Response::new(Box::pin(stream) as ResponseStream);
+        if let Ok(value) = id.parse() {  // a client's own request_id field may not be a valid header value
+            response.metadata_mut().insert(request_id::HEADER, value);
+        }
+        Ok(response)
     }
 }
 

@@ -24,6 +24,7 @@ use crate::gateway::{code_name, record_end, Gateway, Route};
 use crate::openai::{ChatRequest, CompletionRequest};
 use crate::proto::{PredictRequest, PredictResponse};
 use crate::reply::{usage, Reply, Shape};
+use crate::request_id;
 
 pub struct HttpState {
     pub gateway: Arc<Gateway>,
@@ -41,7 +42,8 @@ pub fn app(state: Arc<HttpState>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route_layer(middleware::from_fn_with_state(state.clone(), read_body))
-        .route_layer(middleware::from_fn_with_state(state.clone(), require_key));
+        .route_layer(middleware::from_fn_with_state(state.clone(), require_key))
+        .route_layer(middleware::from_fn(request_id::layer));
     Router::new()
         .route("/healthz", get(|| async { "ok" }))
         .route("/health", get(|| async { "ok" })) // vLLM's name, which OpenAI-server tools probe
@@ -60,8 +62,8 @@ fn route_of(path: &str) -> Route {
 }
 
 /// An error answered by the sidecar itself, counted like any other request's end.
-fn refuse(route: Route, error: SidecarError) -> Response {
-    record_end(route, "none", code_name(error.code()), Instant::now(), None);
+fn refuse(route: Route, id: &str, error: SidecarError) -> Response {
+    record_end(route, id, "none", code_name(error.code()), Instant::now(), None);
     error.into_response()
 }
 
@@ -72,21 +74,21 @@ async fn require_key(State(state): State<Arc<HttpState>>, request: Request, next
     if state.keys.check_header(authorization, api_key) {
         next.run(request).await
     } else {
-        refuse(route_of(request.uri().path()), SidecarError::Unauthenticated)
+        refuse(route_of(request.uri().path()), &request_id::of(headers), SidecarError::Unauthenticated)
     }
 }
 
 /// Reads the whole body within the body timeout and the size limit: a client that declares a
 /// body and sends it slowly (or never) gets 408 and its connection closed, instead of holding it.
 async fn read_body(State(state): State<Arc<HttpState>>, request: Request, next: Next) -> Response {
-    let route = route_of(request.uri().path());
+    let (route, id) = (route_of(request.uri().path()), request_id::of(request.headers()));
     let (parts, body) = request.into_parts();
     let read = Limited::new(body, state.max_body_bytes).collect();
     let collected = match state.body_timeout {
         Some(timeout) => match tokio::time::timeout(timeout, read).await {
             Ok(collected) => collected,
             Err(_) => {
-                let mut response = refuse(route, SidecarError::BodyTimeout(timeout.as_secs()));
+                let mut response = refuse(route, &id, SidecarError::BodyTimeout(timeout.as_secs()));
                 response.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
                 return response;
             }
@@ -95,8 +97,8 @@ async fn read_body(State(state): State<Arc<HttpState>>, request: Request, next: 
     };
     match collected {
         Ok(collected) => next.run(Request::from_parts(parts, axum::body::Body::from(collected.to_bytes()))).await,
-        Err(error) if error.downcast_ref::<LengthLimitError>().is_some() => refuse(route, SidecarError::TooLarge(state.max_body_bytes)),
-        Err(error) => refuse(route, SidecarError::InvalidRequest(format!("could not read the request body: {error}"))),
+        Err(error) if error.downcast_ref::<LengthLimitError>().is_some() => refuse(route, &id, SidecarError::TooLarge(state.max_body_bytes)),
+        Err(error) => refuse(route, &id, SidecarError::InvalidRequest(format!("could not read the request body: {error}"))),
     }
 }
 
@@ -138,10 +140,10 @@ fn parse<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>, limit: usize)
 }
 
 async fn completions(State(state): State<Arc<HttpState>>, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Response {
-    let id = format!("cmpl-{}", uuid::Uuid::new_v4().simple());
+    let id = request_id::of(&headers);
     let request: CompletionRequest = match parse(body, state.max_body_bytes) {
         Ok(request) => request,
-        Err(error) => return refuse(Route::Completions, error),
+        Err(error) => return refuse(Route::Completions, &id, error),
     };
     let (stream, include_usage, n) = (request.sampling.stream, request.sampling.include_usage(), request.sampling.choices());
     let logprobs = request.sampling.logprobs.as_ref().is_some_and(|v| v.is_number());
@@ -150,15 +152,15 @@ async fn completions(State(state): State<Arc<HttpState>>, headers: HeaderMap, bo
             let shape = Shape { route: Route::Completions, tools: None, logprobs, echo };
             respond(state, proto, shape, id, Options { streaming: stream, include_usage, n }).await
         }
-        Err(error) => refuse(Route::Completions, error),
+        Err(error) => refuse(Route::Completions, &id, error),
     }
 }
 
 async fn chat_completions(State(state): State<Arc<HttpState>>, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Response {
-    let id = format!("chatcmpl-{}", uuid::Uuid::new_v4().simple());
+    let id = request_id::of(&headers);
     let request: ChatRequest = match parse(body, state.max_body_bytes) {
         Ok(request) => request,
-        Err(error) => return refuse(Route::ChatCompletions, error),
+        Err(error) => return refuse(Route::ChatCompletions, &id, error),
     };
     let (stream, include_usage, n) = (request.sampling.stream, request.sampling.include_usage(), request.sampling.choices());
     match request.into_proto(&id).and_then(|(proto, plan)| Ok((with_adapter(proto, &headers)?, plan))) {
@@ -168,7 +170,7 @@ async fn chat_completions(State(state): State<Arc<HttpState>>, headers: HeaderMa
             let shape = Shape { route: Route::ChatCompletions, tools, logprobs, echo: None };
             respond(state, proto, shape, id, Options { streaming: stream, include_usage, n }).await
         }
-        Err(error) => refuse(Route::ChatCompletions, error),
+        Err(error) => refuse(Route::ChatCompletions, &id, error),
     }
 }
 
@@ -207,7 +209,7 @@ async fn respond(state: Arc<HttpState>, proto: PredictRequest, shape: Shape, id:
         proto.model.clone()
     };
     if let Some(missing) = state.gateway.pool.lacks(&proto.model, &proto) {
-        return refuse(route, SidecarError::InvalidRequest(missing));
+        return refuse(route, &proto.request_id, SidecarError::InvalidRequest(missing));
     }
     let mut upstreams = Vec::new();
     for index in 0..options.n {

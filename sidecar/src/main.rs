@@ -14,6 +14,7 @@ mod pool;
 mod probe;
 mod proto;
 mod reply;
+mod request_id;
 mod routing;
 mod tools;
 

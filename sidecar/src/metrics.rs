@@ -13,8 +13,9 @@ use axum::Router;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 
 use crate::gateway::Gateway;
+use crate::pool::Worker;
 use crate::proto::worker_control_client::WorkerControlClient;
-use crate::proto::MetricsRequest;
+use crate::proto::{MetricsRequest, WorkerLoad};
 
 const LATENCY_BUCKETS: &[f64] = &[0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0];
 
@@ -28,6 +29,10 @@ pub fn install() -> anyhow::Result<PrometheusHandle> {
     metrics::describe_gauge!("cyllm_sidecar_active_streams", "Streams open through the sidecar");
     metrics::describe_gauge!("cyllm_sidecar_worker_ready", "1 when the worker's inference service is SERVING");
     metrics::describe_gauge!("cyllm_sidecar_worker_outstanding", "Requests this sidecar has open on the worker");
+    metrics::describe_gauge!("cyllm_pod_requests_waiting", "Requests queued in the pod's ready workers' schedulers");
+    metrics::describe_gauge!("cyllm_pod_requests_running", "Requests running in the pod's ready workers");
+    metrics::describe_gauge!("cyllm_pod_kv_cache_usage_ratio", "KV budget in use in the pod's fullest ready worker, 0-1");
+    metrics::describe_gauge!("cyllm_pod_prefix_cache_hit_ratio", "Prompt tokens found in the prefix caches over those looked up, since the workers started");
     let upkeep = handle.clone();
     tokio::spawn(async move {
         let mut ticker = tokio::time::interval(Duration::from_secs(5));
@@ -60,6 +65,7 @@ async fn scrape(State(state): State<MetricsState>) -> impl IntoResponse {
         metrics::gauge!("cyllm_sidecar_worker_outstanding", "worker" => name).set(worker.outstanding() as f64);
     }
     metrics::gauge!("cyllm_sidecar_active_streams").set(active as f64);
+    set_pod_signals(&pool.workers);
     let fetches = pool.workers.iter().map(|worker| {
         let worker = worker.clone();
         async move {
@@ -73,6 +79,46 @@ async fn scrape(State(state): State<MetricsState>) -> impl IntoResponse {
     let mut body = state.handle.render();
     body.push_str(&merge_worker_metrics(&exports));
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body)
+}
+
+/// The pod's figures for gateways and autoscalers (the Gateway API Inference Extension's endpoint
+/// picker, KEDA, an HPA), to whom a pod is one endpoint however many workers it holds, from the
+/// ready workers' last GetLoad: queued and running requests summed, the fullest worker's KV budget
+/// in use (0-1), and the prefix caches' hit ratio over all their lookups (None: no prefix cache).
+#[derive(Debug, PartialEq)]
+struct PodSignals {
+    waiting: u64,
+    running: u64,
+    kv_usage: f64,
+    prefix_hit_ratio: Option<f64>,
+}
+
+fn pod_signals(loads: &[WorkerLoad]) -> PodSignals {
+    let (mut queried, mut hits) = (None, 0u64);
+    for load in loads {
+        if let Some(looked_up) = load.prefix_queried_tokens {
+            queried = Some(queried.unwrap_or(0u64) + looked_up);
+            hits += load.prefix_hit_tokens.unwrap_or(0);
+        }
+    }
+    PodSignals {
+        waiting: loads.iter().map(|l| u64::from(l.queued)).sum(),
+        running: loads.iter().map(|l| u64::from(l.running)).sum(),
+        kv_usage: loads.iter().filter(|l| l.budget_tokens_total > 0)
+            .map(|l| l.budget_tokens_used as f64 / l.budget_tokens_total as f64).fold(0.0, f64::max),
+        prefix_hit_ratio: queried.filter(|q| *q > 0).map(|q| hits as f64 / q as f64),
+    }
+}
+
+fn set_pod_signals(workers: &[Arc<Worker>]) {
+    let loads: Vec<WorkerLoad> = workers.iter().filter(|w| w.is_ready()).map(|w| w.last_load()).collect();
+    let signals = pod_signals(&loads);
+    metrics::gauge!("cyllm_pod_requests_waiting").set(signals.waiting as f64);
+    metrics::gauge!("cyllm_pod_requests_running").set(signals.running as f64);
+    metrics::gauge!("cyllm_pod_kv_cache_usage_ratio").set(signals.kv_usage);
+    if let Some(ratio) = signals.prefix_hit_ratio {
+        metrics::gauge!("cyllm_pod_prefix_cache_hit_ratio").set(ratio);
+    }
 }
 
 /// Prometheus text from several workers as one exposition: one HELP/TYPE per family, every
@@ -131,6 +177,18 @@ fn with_worker_label(sample: &str, worker: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pod_signals_sum_queues_and_take_the_fullest_worker() {
+        let load = |queued, running, used, total, prefix: Option<(u64, u64)>| WorkerLoad {
+            queued, running, budget_tokens_used: used, budget_tokens_total: total,
+            prefix_queried_tokens: prefix.map(|p| p.0), prefix_hit_tokens: prefix.map(|p| p.1), ..Default::default()
+        };
+        let signals = pod_signals(&[load(3, 4, 500, 1000, Some((100, 30))), load(1, 2, 900, 1000, None),
+                                    load(0, 1, 10, 0, Some((100, 50)))]);
+        assert_eq!(signals, PodSignals { waiting: 4, running: 7, kv_usage: 0.9, prefix_hit_ratio: Some(0.4) });
+        assert_eq!(pod_signals(&[]), PodSignals { waiting: 0, running: 0, kv_usage: 0.0, prefix_hit_ratio: None });
+    }
 
     #[test]
     fn merges_families_and_labels_samples() {

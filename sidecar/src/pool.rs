@@ -3,7 +3,7 @@
 
 use std::collections::BTreeSet;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
@@ -20,7 +20,7 @@ use crate::config::Args;
 use crate::proto::worker_control_client::WorkerControlClient;
 use crate::proto::predict_request::Input;
 use crate::proto::structured_output::Kind;
-use crate::proto::{Capabilities, GetInfoRequest, GetLoadRequest, PredictRequest, WorkerInfo, INFERENCE_SERVICE};
+use crate::proto::{Capabilities, GetInfoRequest, GetLoadRequest, PredictRequest, WorkerInfo, WorkerLoad, INFERENCE_SERVICE};
 
 /// How the sidecar talks to and watches its workers (from the flags).
 #[derive(Clone, Debug)]
@@ -77,7 +77,8 @@ pub struct Worker {
     /// Set when the worker's settings and this sidecar's cannot work together.
     misconfigured: RwLock<Option<String>>,
     outstanding: AtomicUsize,
-    remote_load: AtomicU64,
+    /// Its last GetLoad answer.
+    last_load: RwLock<WorkerLoad>,
 }
 
 impl Worker {
@@ -105,7 +106,7 @@ impl Worker {
             responsive: AtomicBool::new(true),
             misconfigured: RwLock::new(None),
             outstanding: AtomicUsize::new(0),
-            remote_load: AtomicU64::new(0),
+            last_load: RwLock::new(WorkerLoad::default()),
         })
     }
 
@@ -157,10 +158,16 @@ impl Worker {
         !models.is_empty() && (model.is_empty() || models.iter().any(|m| m == model))
     }
 
+    /// Its last GetLoad answer (all zero before the first).
+    pub fn last_load(&self) -> WorkerLoad {
+        self.last_load.read().unwrap().clone()
+    }
+
     /// What routing compares: our own outstanding requests, or the worker's running + queued
     /// when other clients keep it busier than we know.
     pub fn load(&self) -> u64 {
-        (self.outstanding.load(Ordering::Relaxed) as u64).max(self.remote_load.load(Ordering::Relaxed))
+        let last = self.last_load.read().unwrap();
+        (self.outstanding.load(Ordering::Relaxed) as u64).max(u64::from(last.running + last.queued))
     }
 
     pub fn outstanding(&self) -> usize {
@@ -337,8 +344,7 @@ async fn poll_load(worker: Arc<Worker>, watch: Watch) {
         request.set_timeout(watch.probe_timeout);
         let answered = match tokio::time::timeout(watch.probe_timeout, control.get_load(request)).await {
             Ok(Ok(load)) => {
-                let load = load.into_inner();
-                worker.remote_load.store(u64::from(load.running + load.queued), Ordering::Relaxed);
+                *worker.last_load.write().unwrap() = load.into_inner();
                 true
             }
             // An error is an answer (the health watch handles a worker that went away); silence is not.
