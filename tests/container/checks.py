@@ -53,6 +53,13 @@ def prometheus_scraped(port: int) -> None:
     worker = wait_for("the worker's metrics in Prometheus", lambda: query("cyllm_requests_total"), 60)
     check(bool(sidecar and worker), f"Prometheus scraped the sidecar: {len(sidecar)} sidecar request series, "
                                     f"{len(worker)} worker request series")
+    pod = wait_for("the pod's signals in Prometheus", lambda: query("cyllm_pod_requests_running"), 60)
+    check(bool(pod), "Prometheus scraped the pod's signals (cyllm_pod_requests_running)")
+    status, body = get(f"http://127.0.0.1:{port}/api/v1/rules")
+    groups = json.loads(body)["data"]["groups"] if status == 200 else []
+    rules = [rule for group in groups for rule in group["rules"]]
+    check(len(rules) >= 11 and all(rule["health"] != "err" for rule in rules),
+          f"Prometheus loaded deploy/prometheus/rules.yml: {len(rules)} rules in {[g['name'] for g in groups]}")
 
 
 def non_root(containers: dict[str, str]) -> None:
