@@ -325,9 +325,10 @@ class NativeEngine(ThreadedEngine):
         """The decode step after `step`, launched before `step`'s tokens reach the host: they go
         from the sampler into the graph's inputs on the device, so the device does not wait while
         this thread reads them and schedules. Only where that step is already known: every row of
-        `step` samples and none can end by its length, nothing waits to join and the blocks are free. Rows of sequences that the pending
-        tokens end (EOS, a stop) are computed and dropped; their slot writes land in blocks that
-        stream order keeps from anyone else until this step is done."""
+        `step` samples and none can end by its length, nothing waits to join and the blocks are
+        free. Rows of sequences that the pending tokens end (EOS, a stop) are computed and dropped;
+        their slot writes land in blocks that stream order keeps from anyone else until this step
+        is done."""
         seqs = step.ready
         if (self.graphs is None or self._waiting or not seqs or len(seqs) != len(step.scheduled)
                 or len(seqs) > self.graphs.max_batch):
