@@ -161,7 +161,7 @@ impl Reply {
             self.calls.get_or_insert_with(CallStream::default).push(&message.text)
         } else {
             let found = finish.and_then(|_| plan.calls(&self.text)).unwrap_or_default();
-            let upto = if finish.is_some() && found.is_empty() { self.text.len() } else { tools::text_part(&self.text) };
+            let upto = if finish.is_some() && found.is_empty() { self.text.len() } else { tools::text_part(&self.text, self.sent) };
             if upto > self.sent {
                 content = &self.text[self.sent..upto];
                 self.sent = upto;

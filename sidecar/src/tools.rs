@@ -239,16 +239,17 @@ fn header(text: &str) -> Option<(String, usize)> {
 
 /// How much of an `auto` answer is surely text: all of it, but for a call's possible start (an
 /// answer opening with `{`, a `<tool_call>` tag, or the tag's first characters at its end).
-pub fn text_part(text: &str) -> usize {
+/// `known`: how much was found to be text before, which is not searched again.
+pub fn text_part(text: &str, known: usize) -> usize {
     const TAG: &str = "<tool_call>";
-    let trimmed = text.trim_start();
-    if trimmed.is_empty() || trimmed.starts_with('{') {
+    if known == 0 && text.trim_start().chars().next().is_none_or(|c| c == '{') {
         return 0;
     }
-    if let Some(at) = text.find(TAG) {
-        return at;
+    let rest = &text[known..];
+    if let Some(at) = rest.find(TAG) {
+        return known + at;
     }
-    let partial = (1..TAG.len()).rev().find(|&n| text.ends_with(&TAG[..n])).unwrap_or(0);
+    let partial = (1..TAG.len()).rev().find(|&n| rest.ends_with(&TAG[..n])).unwrap_or(0);
     text.len() - partial
 }
 
@@ -310,12 +311,14 @@ mod tests {
 
     #[test]
     fn auto_answers_stream_as_text_up_to_a_possible_call() {
-        assert_eq!(text_part("  "), 0);
-        assert_eq!(text_part(" {\"name\""), 0);
-        assert_eq!(text_part("It is sunny"), 11);
-        assert_eq!(text_part("Let me check. <tool"), 14);
-        assert_eq!(text_part("Let me check. <tool_call>{"), 14);
-        assert_eq!(text_part("a < b"), 5);
+        assert_eq!(text_part("  ", 0), 0);
+        assert_eq!(text_part(" {\"name\"", 0), 0);
+        assert_eq!(text_part("It is sunny", 0), 11);
+        assert_eq!(text_part("Let me check. <tool", 0), 14);
+        assert_eq!(text_part("Let me check. <tool_call>{", 0), 14);
+        assert_eq!(text_part("Let me check. <tool_call>{", 14), 14);
+        assert_eq!(text_part("a < b", 0), 5);
+        assert_eq!(text_part("a set {1, 2}", 6), 12);  // a brace after text is text
     }
 
     #[test]
