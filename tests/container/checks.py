@@ -64,9 +64,22 @@ def prometheus_scraped(port: int) -> None:
 
 def non_root(containers: dict[str, str]) -> None:
     for name, cid in containers.items():
-        users = run("podman", "top", cid, "user", capture=True).stdout.split()[1:]
+        users = _process_users(cid)
         check(bool(users) and all(u in ("cyllm", "10001") for u in users),
               f"{name}'s processes run as {sorted(set(users))}")
+
+
+def _process_users(cid: str, attempts: int = 5) -> list[str]:
+    """`podman top` reads every process's /proc entry; a healthcheck's exec that exits between the
+    listing and the read fails it with "no such process", so that one error is retried."""
+    for _ in range(attempts - 1):
+        result = run("podman", "top", cid, "user", capture=True, check=False)
+        if result.returncode == 0:
+            return result.stdout.split()[1:]
+        if "no such process" not in result.stderr:
+            break
+        time.sleep(0.5)
+    return run("podman", "top", cid, "user", capture=True).stdout.split()[1:]
 
 
 def worker_socket_only(worker: str) -> None:
