@@ -59,16 +59,17 @@ def sidecar_binary() -> Path:
 class Stack:
     """A worker and a sidecar in front of it."""
 
-    def __init__(self, engine_args: list[str]):
+    def __init__(self, engine_args: list[str], env: dict[str, str] | None = None):
         binary = sidecar_binary()
+        env = {**os.environ, **(env or {})}
         self.socket = f"{tempfile.mkdtemp(prefix='cyllm-bench-', dir='/tmp')}/w.sock"
         self.worker = subprocess.Popen(cy_llm("serve", "--socket", self.socket, "--set", "server.log_level=warning",
-                                              *engine_args), cwd=REPO)
+                                              *engine_args), cwd=REPO, env=env)
         wait_ready(self.socket, self.worker)
         self.port = free_port()
         self.sidecar = subprocess.Popen([str(binary), f"--worker=unix://{self.socket}",
                                          "--grpc-addr", f"127.0.0.1:{self.port}", "--http-addr", f"127.0.0.1:{free_port()}",
-                                         "--metrics-addr", f"127.0.0.1:{free_port()}", "--log", "warn"])
+                                         "--metrics-addr", f"127.0.0.1:{free_port()}", "--log", "warn"], env=env)
         with grpc.insecure_channel(f"127.0.0.1:{self.port}") as channel:
             stub = pb_grpc.InferenceServiceStub(channel)
             for _ in range(200):

@@ -35,6 +35,18 @@ def test_precedence_yaml_then_env_then_flags(tmp_path):
     assert config.engine.args == {"tokens_per_s": 50, "budget_tokens": 10}
 
 
+def test_opentelemetry_s_variables_configure_tracing():
+    assert load_config(None, ENV).tracing.otlp_endpoint == ""  # off unless configured
+    env = {**ENV, "OTEL_EXPORTER_OTLP_ENDPOINT": "http://all:4317", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://traces:4317",
+           "OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.25", "OTEL_SERVICE_NAME": "w7"}
+    tracing = load_config(None, env).tracing
+    assert (tracing.otlp_endpoint, tracing.sampler, tracing.sample_ratio, tracing.service_name) == (
+        "http://traces:4317", "traceidratio", 0.25, "w7")
+    # cy-llm's own names win over OpenTelemetry's.
+    env["CYLLM_TRACING__SAMPLE_RATIO"] = "0.5"
+    assert load_config(None, env).tracing.sample_ratio == 0.5
+
+
 @pytest.mark.parametrize(
     ("env", "key"),
     [
@@ -47,6 +59,9 @@ def test_precedence_yaml_then_env_then_flags(tmp_path):
         ({"CYLLM_WHAT__X": "1"}, "what.x"),
         ({"CYLLM_SOCKET": "/tmp/" + "s" * 120}, "server.socket"),
         ({"CYLLM_SERVER__EXIT_WITH_PARENT": "perhaps"}, "server.exit_with_parent"),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "https://collector:4317"}, "tracing.otlp_endpoint"),
+        ({"OTEL_TRACES_SAMPLER": "jaeger_remote"}, "tracing.sampler"),
+        ({"OTEL_TRACES_SAMPLER_ARG": "1.5"}, "tracing.sample_ratio"),
     ],
 )
 def test_errors_name_the_key(env, key):

@@ -65,6 +65,8 @@ def test_the_pod_reports_queue_running_and_kv_use(worker_process, sidecar):
     front = sidecar([w.socket_path for w in workers])
     front.wait_ready()
     assert metric(front, "cyllm_pod_requests_running") == 0 and metric(front, "cyllm_pod_kv_cache_usage_ratio") == 0
+    # The Inference Extension's picker scrapes the port it routes to: the API port serves /metrics too.
+    assert "cyllm_pod_requests_waiting " in httpx.get(f"{front.http}/metrics").text
     channel, stub, _ = grpc_stub(front)
     calls = [stub.StreamPredict(pb.PredictRequest(prompt="x", sampling=pb.SamplingParams(max_tokens=4000)), timeout=60)
              for _ in range(3)]  # one slot each: two run, the third waits in a queue

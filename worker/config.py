@@ -194,6 +194,31 @@ class AdaptersConfig:
             raise ConfigError("adapters.kb_dir", "must be set")
 
 
+SAMPLERS = ("parentbased_traceidratio", "traceidratio", "parentbased_always_on", "always_on",
+            "parentbased_always_off", "always_off")
+
+
+@dataclass
+class TracingConfig:
+    otlp_endpoint: str = ""
+    """OTLP/gRPC collector for traces (http://HOST:4317); traces are off without one."""
+    sampler: str = "parentbased_traceidratio"
+    """OTEL_TRACES_SAMPLER's names; the parent-based ones follow the sidecar's decision."""
+    sample_ratio: float = 1.0
+    """Fraction of new traces recorded, for the ratio samplers."""
+    service_name: str = "cy-llm-worker"
+    export_timeout_s: float = 10.0
+    """How long one export may take before its spans are dropped (and counted)."""
+
+    def validate(self) -> None:
+        if self.otlp_endpoint and not self.otlp_endpoint.startswith("http://"):
+            raise ConfigError("tracing.otlp_endpoint", "OTLP over gRPC in plain text: http://HOST:4317")
+        if self.sampler not in SAMPLERS:
+            raise ConfigError("tracing.sampler", f"one of {', '.join(SAMPLERS)}")
+        _check_range("tracing.sample_ratio", self.sample_ratio, 0.0, 1.0)
+        _check_range("tracing.export_timeout_s", self.export_timeout_s, 0.1, 600.0)
+
+
 @dataclass
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
@@ -202,11 +227,13 @@ class Config:
     resources: ResourceConfig = field(default_factory=ResourceConfig)
     models: ModelsConfig = field(default_factory=ModelsConfig)
     adapters: AdaptersConfig = field(default_factory=AdaptersConfig)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
     explicit_keys: frozenset[str] = frozenset()
     """Dotted keys set by the YAML file, the environment or flags (not defaults)."""
 
     def validate(self) -> Config:
-        for section in (self.server, self.engine, self.sampling, self.resources, self.models, self.adapters):
+        for section in (self.server, self.engine, self.sampling, self.resources, self.models, self.adapters,
+                        self.tracing):
             section.validate()
         return self
 
@@ -220,6 +247,14 @@ ENV_SHORTCUTS = {
     "CYLLM_CACHE_DIR": "models.cache_dir",
     "CYLLM_LOG_LEVEL": "server.log_level",
 }
+# OpenTelemetry's standard variables, in order: the traces-only endpoint wins over the general one.
+OTEL_ENV = (
+    ("OTEL_EXPORTER_OTLP_ENDPOINT", "tracing.otlp_endpoint"),
+    ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "tracing.otlp_endpoint"),
+    ("OTEL_TRACES_SAMPLER", "tracing.sampler"),
+    ("OTEL_TRACES_SAMPLER_ARG", "tracing.sample_ratio"),
+    ("OTEL_SERVICE_NAME", "tracing.service_name"),
+)
 
 
 def default_paths(env: Mapping[str, str]) -> dict[str, str]:
@@ -248,6 +283,9 @@ def load_config(
     if path:
         for key, value in _read_yaml(Path(path)).items():
             _assign(values, key, value, explicit)
+    for name, key in OTEL_ENV:
+        if env.get(name):
+            _assign(values, key, env[name], explicit)
     for name, value in env.items():
         if name in ENV_SHORTCUTS:
             _assign(values, ENV_SHORTCUTS[name], value, explicit)

@@ -32,6 +32,7 @@ from worker.gen.cyllm.inference.v1 import inference_pb2_grpc as pb_grpc
 from worker.request import GenerationRequest, TokenLogprob
 from worker.scheduler import Grant, TaskScheduler
 from worker.telemetry import Metrics, get_logger
+from worker.traces import Tracer
 
 log = get_logger(__name__)
 FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
@@ -58,6 +59,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         # Set by the Worker: called once faults in a row say the device is not coming back.
         self.on_repeated_faults = lambda: None
         self.adapters: dict[str, Adapter] = build_adapters(config.adapters.named, Path(config.adapters.kb_dir))
+        self.tracer = Tracer(config.tracing, metrics.spans_exported, metrics.spans_dropped)
         self.ready = False
         self.load_error: str | None = None
         self.draining = False
@@ -81,8 +83,9 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         arrived = time.perf_counter()
         request_id = message.request_id or uuid.uuid4().hex
         message.request_id = request_id
+        span = self.tracer.start(context.invocation_metadata(), request_id)
         status = grpc.StatusCode.OK
-        grant = stream = timer = None
+        grant = stream = timer = finish_reason = None
         finished = False
         first_token_at = None
         completion_tokens = 0
@@ -92,9 +95,11 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self.idle.clear()
         try:
             request = await self._prepare(message)
+            span.prepared(request)
             prompt_tokens = len(request.prompt_token_ids)
             grant = await self.scheduler.admit(
                 prompt_tokens + max(1, request.sampling.max_tokens), request.priority, deadline)
+            span.admitted(grant)
             self.last_progress = time.monotonic()
             self.metrics.queue_time.observe(grant.queued_s)
             self.metrics.prompt_tokens.inc(prompt_tokens)
@@ -117,6 +122,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 completion_tokens += len(output.token_ids)
                 if first_token_at is None and output.token_ids:
                     first_token_at = time.perf_counter()
+                    span.first_token()
                 response = pb.PredictResponse(request_id=request_id, text=output.text)
                 if request.return_token_ids:
                     response.token_ids.extend(output.token_ids)
@@ -125,7 +131,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 if output.prompt_logprobs is not None:
                     response.prompt_logprobs.extend(self._logprobs(output.prompt_logprobs))
                 if output.finish_reason is not None:
-                    finished = True
+                    finished, finish_reason = True, output.finish_reason
                     self.consecutive_engine_errors = 0
                     now = time.perf_counter()
                     response.finish_reason = FINISH_REASONS[output.finish_reason]
@@ -164,7 +170,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             await _abort(context, status, detail)
         finally:
             self._release(stream, grant, timer, finished)
-            self._record(request_id, status, arrived, first_token_at, completion_tokens)
+            self._record(request_id, status, arrived, first_token_at, completion_tokens, span.trace_id)
+            span.end(status.name, completion_tokens, finish_reason, getattr(self.engine.info, "served_name", ""))
             self._in_flight -= 1
             if self._in_flight == 0:
                 self.idle.set()
@@ -244,7 +251,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         return [one(e.token_id, e.logprob, e.top) for e in entries]
 
     def _record(self, request_id: str, status: grpc.StatusCode, arrived: float,
-                first_token_at: float | None, completion_tokens: int) -> None:
+                first_token_at: float | None, completion_tokens: int, trace_id: str | None) -> None:
         now = time.perf_counter()
         self.metrics.requests.labels(status=status.name).inc()
         self.metrics.generation_tokens.inc(completion_tokens)
@@ -252,7 +259,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             self.metrics.ttft.observe(first_token_at - arrived)
             if completion_tokens > 1:
                 self.metrics.tpot.observe((now - first_token_at) / (completion_tokens - 1))
-        log.info("request ended", request_id=request_id, status=status.name,
+        trace = {"trace_id": trace_id} if trace_id else {}
+        log.info("request ended", request_id=request_id, **trace, status=status.name,
                  completion_tokens=completion_tokens, total_ms=round((now - arrived) * 1000, 2))
 
 

@@ -132,6 +132,7 @@ class Worker:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
             self.ownership.release()
+            await asyncio.to_thread(self.inference.tracer.shutdown)
         log.info("stopped", exit_code=self.exit_code)
         return self.exit_code
 

@@ -33,6 +33,9 @@ class Metrics:
                               buckets=PER_TOKEN_BUCKETS, registry=r)
         self.prompt_tokens = Counter("cyllm_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter("cyllm_generation_tokens", "Tokens generated", registry=r)
+        self.spans_exported = Counter("cyllm_spans_exported", "Trace spans sent to the OTLP collector", registry=r)
+        self.spans_dropped = Counter("cyllm_spans_dropped", "Trace spans that never reached the collector, by reason",
+                                     ["reason"], registry=r)
 
     def watch(self, scheduler: TaskScheduler, engine: BaseEngine) -> None:
         """Reads queue, running, budget and rejections off the scheduler, and the engine's own

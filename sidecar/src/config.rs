@@ -14,6 +14,19 @@ pub enum RoutingMode {
     PrefixAffinity,
 }
 
+/// OTEL_TRACES_SAMPLER's values (OpenTelemetry's SDK configuration names).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+#[value(rename_all = "snake_case")]
+pub enum TraceSampler {
+    /// The caller's decision when a `traceparent` came, else the ratio.
+    ParentbasedTraceidratio,
+    Traceidratio,
+    ParentbasedAlwaysOn,
+    AlwaysOn,
+    ParentbasedAlwaysOff,
+    AlwaysOff,
+}
+
 #[derive(Parser, Debug, Clone)]
 #[command(name = "cy-llm-sidecar", version, about = "Gateway-facing sidecar for cy-llm workers")]
 pub struct Args {
@@ -109,6 +122,23 @@ pub struct Args {
     /// Runtime worker threads; 0 for one per available core, 1 for a single-threaded runtime.
     #[arg(long, env = "CYLLM_SIDECAR_THREADS", default_value_t = 0)]
     pub threads: usize,
+    /// OTLP/gRPC collector for traces, e.g. http://otel-collector:4317; traces are off without one.
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
+    pub otlp_endpoint: Option<String>,
+    /// The traces-only endpoint, which wins over --otlp-endpoint (OpenTelemetry's precedence).
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", hide = true)]
+    pub otlp_traces_endpoint: Option<String>,
+    /// How long one export to the collector may take before its spans are dropped (and counted).
+    #[arg(long, env = "CYLLM_SIDECAR_OTLP_TIMEOUT_S", default_value_t = 10.0)]
+    pub otlp_timeout_s: f64,
+    #[arg(long, env = "OTEL_TRACES_SAMPLER", value_enum, default_value = "parentbased_traceidratio")]
+    pub trace_sampler: TraceSampler,
+    /// Fraction of new traces recorded (0..1), for the ratio samplers.
+    #[arg(long, env = "OTEL_TRACES_SAMPLER_ARG", default_value_t = 1.0)]
+    pub trace_sample_ratio: f64,
+    /// service.name on the sidecar's spans.
+    #[arg(long, env = "OTEL_SERVICE_NAME", default_value = "cy-llm-sidecar")]
+    pub otel_service_name: String,
     /// tracing filter, e.g. info or cy_llm_sidecar=debug.
     #[arg(long, env = "CYLLM_SIDECAR_LOG", default_value = "info")]
     pub log: String,
@@ -120,6 +150,10 @@ pub fn limit(seconds: f64) -> Option<Duration> {
 }
 
 impl Args {
+    pub fn otlp_endpoint(&self) -> Option<&str> {
+        self.otlp_traces_endpoint.as_deref().or(self.otlp_endpoint.as_deref()).filter(|e| !e.is_empty())
+    }
+
     pub fn http_timeout(&self) -> Option<Duration> {
         limit(self.http_timeout_s)
     }

@@ -16,6 +16,7 @@ use crate::proto::inference_service_client::InferenceServiceClient;
 use crate::proto::predict_request::Input;
 use crate::proto::{PredictRequest, PredictResponse};
 use crate::routing::{is_worker_failure, pick, prefix_key, retryable, RetryBudget};
+use crate::trace;
 
 /// Where a request came in, for metric labels.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -31,6 +32,23 @@ impl Route {
             Route::Grpc => "grpc",
             Route::Completions => "completions",
             Route::ChatCompletions => "chat_completions",
+        }
+    }
+
+    /// The server span's name: the gRPC method, or HTTP's method and route.
+    pub fn span_name(self) -> &'static str {
+        match self {
+            Route::Grpc => "cyllm.inference.v1.InferenceService/StreamPredict",
+            Route::Completions => "POST /v1/completions",
+            Route::ChatCompletions => "POST /v1/chat/completions",
+        }
+    }
+
+    /// gen_ai.operation.name (a gRPC request may be either; it says "chat" for a chat input).
+    pub fn operation(self) -> &'static str {
+        match self {
+            Route::ChatCompletions => "chat",
+            _ => "text_completion",
         }
     }
 }
@@ -67,16 +85,18 @@ impl Gateway {
     }
 
     /// A stream from a worker whose first message has arrived (so later failures are not retried).
+    /// `span` is the request's server span: each attempt is a child span of it.
     pub async fn open(
         &self,
         request: PredictRequest,
         timeout: Option<Duration>,
         route: Route,
+        span: &tracing::Span,
     ) -> Result<Upstream, SidecarError> {
         let started = Instant::now();
         let result = self.admit(&request);
         if let Err(error) = result {
-            record_end(route, &request.request_id, "none", code_name(error.code()), started, None);
+            record_end(route, &request.request_id, "none", code_name(error.code()), started, None, span);
             return Err(error);
         }
         let permit = result?;
@@ -94,22 +114,29 @@ impl Gateway {
                 .filter(|w| !tried.iter().any(|t| Arc::ptr_eq(t, w)))
                 .collect();
             let Some(worker) = pick(&candidates, affinity, &mut rand::rng()) else { break };
+            let attempt_span = trace::attempt_span(span, &worker.name, attempt + 1, self.policy(), candidates.len());
             tried.push(worker.clone());
             if !worker.breaker.allow(now) {
+                trace::record_status(&attempt_span, "UNAVAILABLE");
                 continue;
             }
             let remaining = match deadline {
                 Some(deadline) if deadline <= now => {
+                    trace::record_status(&attempt_span, "DEADLINE_EXCEEDED");
+                    trace::record_status(span, "DEADLINE_EXCEEDED");
                     return Err(SidecarError::Upstream(tonic::Status::deadline_exceeded("deadline passed before a worker answered")))
                 }
                 Some(deadline) => Some(deadline - now),
                 None => None,
             };
             let guard = worker.begin();
-            match self.call(&worker, request.clone(), remaining).await {
+            match self.call(&worker, request.clone(), remaining, &attempt_span).await {
                 Ok((first, rest)) => {
                     worker.breaker.record_success();
                     let first_at = first.as_ref().map(|_| Instant::now());
+                    if let Some(first_at) = first_at {
+                        trace::first_token(&attempt_span, first_at - started);
+                    }
                     return Ok(Upstream {
                         worker,
                         route,
@@ -122,6 +149,8 @@ impl Gateway {
                         rest,
                         status: "CANCELLED",
                         request_id: request.request_id.clone(),
+                        span: span.clone(),
+                        attempt_span,
                         _guard: guard,
                         _permit: permit,
                     });
@@ -135,8 +164,9 @@ impl Gateway {
                     }
                     drop(guard);
                     let error = SidecarError::Upstream(status);
+                    trace::record_status(&attempt_span, code_name(code));
                     if !retryable(code) || attempt == self.max_retries || !self.budget.try_spend() {
-                        record_end(route, &request.request_id, &worker.name, code_name(error.code()), started, None);
+                        record_end(route, &request.request_id, &worker.name, code_name(error.code()), started, None, span);
                         return Err(error);
                     }
                     metrics::counter!("cyllm_sidecar_retries_total", "route" => route.as_str(), "code" => code_name(code)).increment(1);
@@ -146,8 +176,15 @@ impl Gateway {
             }
         }
         let error = last_error.unwrap_or_else(|| SidecarError::NoWorker(request.model.clone()));
-        record_end(route, &request.request_id, "none", code_name(error.code()), started, None);
+        record_end(route, &request.request_id, "none", code_name(error.code()), started, None, span);
         Err(error)
+    }
+
+    fn policy(&self) -> &'static str {
+        match self.routing {
+            RoutingMode::LeastOutstanding => "least-outstanding",
+            RoutingMode::PrefixAffinity => "prefix-affinity",
+        }
     }
 
     /// The checks made before any worker is chosen; the permit holds a stream slot.
@@ -171,9 +208,11 @@ impl Gateway {
         worker: &Worker,
         request: PredictRequest,
         timeout: Option<Duration>,
+        span: &tracing::Span,
     ) -> Result<(Option<PredictResponse>, Streaming<PredictResponse>), tonic::Status> {
         let mut client = InferenceServiceClient::new(worker.channel.clone()).max_decoding_message_size(self.max_decoding_bytes);
         let mut request = tonic::Request::new(request);
+        trace::inject(span, request.metadata_mut());
         if let Some(timeout) = timeout {
             request.set_timeout(timeout);
         }
@@ -242,6 +281,9 @@ pub struct Upstream {
     rest: Streaming<PredictResponse>,
     status: &'static str,
     request_id: String,
+    /// The request's server span and this call's: held so they end when the stream does.
+    span: tracing::Span,
+    attempt_span: tracing::Span,
     _guard: OutstandingGuard,
     _permit: OwnedSemaphorePermit,
 }
@@ -264,7 +306,13 @@ impl Upstream {
         self.last_message = Instant::now();
         match received {
             Ok(Some(message)) => {
-                self.first_at.get_or_insert_with(Instant::now);
+                if self.first_at.is_none() {
+                    self.first_at = Some(Instant::now());
+                    trace::first_token(&self.attempt_span, self.started.elapsed());
+                }
+                if message.usage.is_some() {
+                    trace::record_usage(&self.attempt_span, &message);
+                }
                 Some(Ok(message))
             }
             Ok(None) => {
@@ -285,17 +333,27 @@ impl Drop for Upstream {
         // A client whose deadline passed mid-stream resets the call: that is its deadline, not a cancel.
         let past_deadline = self.deadline.is_some_and(|d| Instant::now() + DEADLINE_SLACK >= d);
         let status = if self.status == "CANCELLED" && past_deadline { "DEADLINE_EXCEEDED" } else { self.status };
-        record_end(self.route, &self.request_id, &self.worker.name, status, self.started, self.first_at);
+        trace::record_status(&self.attempt_span, status);
+        record_end(self.route, &self.request_id, &self.worker.name, status, self.started, self.first_at, &self.span);
     }
 }
 
 /// A stream dropped this close to its deadline ended by it (the client's clock runs a little ahead).
 const DEADLINE_SLACK: Duration = Duration::from_millis(50);
 
-/// A request's end: counted, timed, and logged with its id (the worker logs the same id).
-pub fn record_end(route: Route, request_id: &str, worker: &str, status: &'static str, started: Instant, first_at: Option<Instant>) {
+/// A request's end: counted, timed, and logged with its id and trace id (the worker logs the same
+/// ids); a status other than OK marks `span` an error.
+pub fn record_end(route: Route, request_id: &str, worker: &str, status: &'static str, started: Instant,
+                  first_at: Option<Instant>, span: &tracing::Span) {
     let route = route.as_str();
-    tracing::info!(request_id, route, worker, status, seconds = started.elapsed().as_secs_f64(), "request ended");
+    if status != "OK" {
+        trace::record_status(span, status);
+    }
+    match trace::trace_id(span) {
+        Some(trace_id) => tracing::info!(request_id, trace_id, route, worker, status,
+                                         seconds = started.elapsed().as_secs_f64(), "request ended"),
+        None => tracing::info!(request_id, route, worker, status, seconds = started.elapsed().as_secs_f64(), "request ended"),
+    }
     metrics::counter!("cyllm_sidecar_requests_total", "route" => route, "status" => status, "worker" => worker.to_string())
         .increment(1);
     metrics::histogram!("cyllm_sidecar_upstream_latency_seconds", "route" => route).record(started.elapsed().as_secs_f64());

@@ -13,6 +13,7 @@ use crate::gateway::{Gateway, Route};
 use crate::proto::inference_service_server::InferenceService;
 use crate::proto::{PredictRequest, PredictResponse};
 use crate::request_id;
+use crate::trace;
 
 pub struct InferenceProxy {
     pub gateway: Arc<Gateway>,
@@ -27,9 +28,11 @@ impl InferenceService for InferenceProxy {
     async fn stream_predict(&self, request: Request<PredictRequest>) -> Result<Response<ResponseStream>, Status> {
         let timeout = grpc_timeout(request.metadata());
         let id = request_id::of_grpc(&request.get_ref().request_id, request.metadata()).map_err(Status::from)?;
+        let span = trace::request_span(Route::Grpc, &id, trace::parent_of_grpc(request.metadata()));
         let mut forwarded = request.into_inner();
         forwarded.request_id = id.clone();
-        let mut upstream = self.gateway.open(forwarded, timeout, Route::Grpc).await?;
+        trace::record_request(&span, &forwarded, 1);
+        let mut upstream = self.gateway.open(forwarded, timeout, Route::Grpc, &span).await?;
         // Dropped when the client leaves: that drops `upstream`, which cancels the worker's call.
         let stream = async_stream::stream! {
             while let Some(item) = upstream.next().await {

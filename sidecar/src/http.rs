@@ -25,6 +25,7 @@ use crate::openai::{ChatRequest, CompletionRequest};
 use crate::proto::{PredictRequest, PredictResponse};
 use crate::reply::{usage, Reply, Shape};
 use crate::request_id;
+use crate::trace;
 
 pub struct HttpState {
     pub gateway: Arc<Gateway>,
@@ -61,9 +62,10 @@ fn route_of(path: &str) -> Route {
     }
 }
 
-/// An error answered by the sidecar itself, counted like any other request's end.
-fn refuse(route: Route, id: &str, error: SidecarError) -> Response {
-    record_end(route, id, "none", code_name(error.code()), Instant::now(), None);
+/// An error answered by the sidecar itself, counted like any other request's end. Refusals
+/// before the handler (key, body) have no request span: `Span::none()`.
+fn refuse(route: Route, id: &str, error: SidecarError, span: &tracing::Span) -> Response {
+    record_end(route, id, "none", code_name(error.code()), Instant::now(), None, span);
     error.into_response()
 }
 
@@ -74,7 +76,7 @@ async fn require_key(State(state): State<Arc<HttpState>>, request: Request, next
     if state.keys.check_header(authorization, api_key) {
         next.run(request).await
     } else {
-        refuse(route_of(request.uri().path()), &request_id::of(headers), SidecarError::Unauthenticated)
+        refuse(route_of(request.uri().path()), &request_id::of(headers), SidecarError::Unauthenticated, &tracing::Span::none())
     }
 }
 
@@ -88,7 +90,7 @@ async fn read_body(State(state): State<Arc<HttpState>>, request: Request, next: 
         Some(timeout) => match tokio::time::timeout(timeout, read).await {
             Ok(collected) => collected,
             Err(_) => {
-                let mut response = refuse(route, &id, SidecarError::BodyTimeout(timeout.as_secs()));
+                let mut response = refuse(route, &id, SidecarError::BodyTimeout(timeout.as_secs()), &tracing::Span::none());
                 response.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
                 return response;
             }
@@ -97,8 +99,9 @@ async fn read_body(State(state): State<Arc<HttpState>>, request: Request, next: 
     };
     match collected {
         Ok(collected) => next.run(Request::from_parts(parts, axum::body::Body::from(collected.to_bytes()))).await,
-        Err(error) if error.downcast_ref::<LengthLimitError>().is_some() => refuse(route, &id, SidecarError::TooLarge(state.max_body_bytes)),
-        Err(error) => refuse(route, &id, SidecarError::InvalidRequest(format!("could not read the request body: {error}"))),
+        Err(error) if error.downcast_ref::<LengthLimitError>().is_some() => refuse(route, &id, SidecarError::TooLarge(state.max_body_bytes), &tracing::Span::none()),
+        Err(error) => refuse(route, &id, SidecarError::InvalidRequest(format!("could not read the request body: {error}")),
+                            &tracing::Span::none()),
     }
 }
 
@@ -141,26 +144,28 @@ fn parse<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>, limit: usize)
 
 async fn completions(State(state): State<Arc<HttpState>>, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Response {
     let id = request_id::of(&headers);
+    let span = trace::request_span(Route::Completions, &id, trace::parent(&headers));
     let request: CompletionRequest = match parse(body, state.max_body_bytes) {
         Ok(request) => request,
-        Err(error) => return refuse(Route::Completions, &id, error),
+        Err(error) => return refuse(Route::Completions, &id, error, &span),
     };
     let (stream, include_usage, n) = (request.sampling.stream, request.sampling.include_usage(), request.sampling.choices());
     let logprobs = request.sampling.logprobs.as_ref().is_some_and(|v| v.is_number());
     match request.into_proto(&id).and_then(|(proto, echo)| Ok((with_adapter(proto, &headers)?, echo))) {
         Ok((proto, echo)) => {
             let shape = Shape { route: Route::Completions, tools: None, logprobs, echo };
-            respond(state, proto, shape, id, Options { streaming: stream, include_usage, n }).await
+            respond(state, proto, shape, id, Options { streaming: stream, include_usage, n }, span).await
         }
-        Err(error) => refuse(Route::Completions, &id, error),
+        Err(error) => refuse(Route::Completions, &id, error, &span),
     }
 }
 
 async fn chat_completions(State(state): State<Arc<HttpState>>, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Response {
     let id = request_id::of(&headers);
+    let span = trace::request_span(Route::ChatCompletions, &id, trace::parent(&headers));
     let request: ChatRequest = match parse(body, state.max_body_bytes) {
         Ok(request) => request,
-        Err(error) => return refuse(Route::ChatCompletions, &id, error),
+        Err(error) => return refuse(Route::ChatCompletions, &id, error, &span),
     };
     let (stream, include_usage, n) = (request.sampling.stream, request.sampling.include_usage(), request.sampling.choices());
     match request.into_proto(&id).and_then(|(proto, plan)| Ok((with_adapter(proto, &headers)?, plan))) {
@@ -168,9 +173,9 @@ async fn chat_completions(State(state): State<Arc<HttpState>>, headers: HeaderMa
             let logprobs = proto.logprobs.is_some();
             let tools = (plan.mode != crate::tools::Mode::None).then_some(plan);
             let shape = Shape { route: Route::ChatCompletions, tools, logprobs, echo: None };
-            respond(state, proto, shape, id, Options { streaming: stream, include_usage, n }).await
+            respond(state, proto, shape, id, Options { streaming: stream, include_usage, n }, span).await
         }
-        Err(error) => refuse(Route::ChatCompletions, &id, error),
+        Err(error) => refuse(Route::ChatCompletions, &id, error, &span),
     }
 }
 
@@ -200,7 +205,8 @@ struct Options {
     n: u32,
 }
 
-async fn respond(state: Arc<HttpState>, proto: PredictRequest, shape: Shape, id: String, options: Options) -> Response {
+async fn respond(state: Arc<HttpState>, proto: PredictRequest, shape: Shape, id: String, options: Options,
+                 span: tracing::Span) -> Response {
     let route = shape.route;
     let created = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
     let model = if proto.model.is_empty() {
@@ -208,8 +214,9 @@ async fn respond(state: Arc<HttpState>, proto: PredictRequest, shape: Shape, id:
     } else {
         proto.model.clone()
     };
+    trace::record_request(&span, &proto, options.n);
     if let Some(missing) = state.gateway.pool.lacks(&proto.model, &proto) {
-        return refuse(route, &proto.request_id, SidecarError::InvalidRequest(missing));
+        return refuse(route, &proto.request_id, SidecarError::InvalidRequest(missing), &span);
     }
     let mut upstreams = Vec::new();
     for index in 0..options.n {
@@ -221,7 +228,7 @@ async fn respond(state: Arc<HttpState>, proto: PredictRequest, shape: Shape, id:
             }
         }
         // Dropping those already open, on an error, cancels their calls on the workers.
-        match state.gateway.open(request, state.timeout, route).await {
+        match state.gateway.open(request, state.timeout, route, &span).await {
             Ok(upstream) => upstreams.push(upstream),
             Err(error) => return error.into_response(),
         }

@@ -17,6 +17,7 @@ mod reply;
 mod request_id;
 mod routing;
 mod tools;
+mod trace;
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -53,11 +54,8 @@ fn main() -> anyhow::Result<()> {
 }
 
 async fn serve(args: Args) -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .json()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_new(&args.log)?)
-        .with_writer(std::io::stderr)
-        .init();
+    let traces = trace::provider(&args)?;
+    init_logging(&args, traces.as_ref())?;
     args.check()?;
     let keys = ApiKeys::new(args.load_api_keys()?);
     let auth_enabled = keys.enabled();
@@ -101,10 +99,13 @@ async fn serve(args: Args) -> anyhow::Result<()> {
         body_timeout: config::limit(args.body_read_timeout_s),
         max_body_bytes: args.max_request_bytes,
     });
-    let http_listener = Listener::bind(args.http_addr, "http", limits).await?;
-    let http = listener::serve_http(http_listener, http::app(http_state), stop_rx.clone());
-    let metrics_listener = Listener::bind(args.metrics_addr, "metrics", limits).await?;
     let metrics_app = metrics::app(metrics::MetricsState { handle, gateway: gateway.clone() });
+    let http_listener = Listener::bind(args.http_addr, "http", limits).await?;
+    // /metrics on the API port too: the Inference Extension's endpoint picker scrapes the port it
+    // routes to (as vLLM serves it), and keys do not guard it, as they do not guard the probes.
+    let http_app = http::app(http_state).merge(metrics_app.clone());
+    let http = listener::serve_http(http_listener, http_app, stop_rx.clone());
+    let metrics_listener = Listener::bind(args.metrics_addr, "metrics", limits).await?;
     let metrics_server = listener::serve_http(metrics_listener, metrics_app, stop_rx.clone());
     tracing::info!(grpc = %args.grpc_addr, http = %args.http_addr, metrics = %args.metrics_addr,
                    workers = ?args.workers, auth = auth_enabled, "listening");
@@ -120,13 +121,45 @@ async fn serve(args: Args) -> anyhow::Result<()> {
     let _ = stop_tx.send(true);
     let grace = Duration::from_secs_f64(args.shutdown_grace_s);
     tracing::info!(grace_s = args.shutdown_grace_s, "shutting down");
-    match tokio::time::timeout(grace, servers).await {
+    let ended = match tokio::time::timeout(grace, servers).await {
         Ok(result) => result.map(|_| ()),
         Err(_) => {
             tracing::warn!("grace period over; closing open streams");
             Ok(())
         }
+    };
+    if let Some(traces) = traces {
+        // Exports what is still batched; blocking, so off the runtime's threads.
+        let _ = tokio::task::spawn_blocking(move || traces.shutdown()).await;
     }
+    ended
+}
+
+/// JSON log lines on stderr, filtered by --log; with tracing on, the request spans go to the
+/// exporter whatever --log says.
+fn init_logging(args: &Args, traces: Option<&opentelemetry_sdk::trace::SdkTracerProvider>) -> anyhow::Result<()> {
+    use opentelemetry::trace::TracerProvider as _;
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    use tracing_subscriber::Layer;
+
+    let logs = tracing_subscriber::fmt::layer()
+        .json()
+        .with_current_span(false)
+        .with_span_list(false)
+        .with_writer(std::io::stderr)
+        .with_filter(tracing_subscriber::EnvFilter::try_new(&args.log)?);
+    let spans = traces.map(|provider| {
+        tracing_opentelemetry::layer()
+            .with_tracer(provider.tracer("cy-llm-sidecar"))
+            .with_location(false)
+            .with_threads(false)
+            .with_target(false)
+            .with_tracked_inactivity(false)
+            .with_filter(tracing_subscriber::filter::Targets::new().with_target(trace::TARGET, tracing::Level::INFO))
+    });
+    tracing_subscriber::registry().with(logs).with(spans).try_init()?;
+    Ok(())
 }
 
 async fn stopped(mut stop: watch::Receiver<bool>) {
