@@ -171,10 +171,10 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         finally:
             self._release(stream, grant, timer, finished)
             self._record(request_id, status, arrived, first_token_at, completion_tokens, span.trace_id)
-            span.end(status.name, completion_tokens, finish_reason, getattr(self.engine.info, "served_name", ""))
             self._in_flight -= 1
             if self._in_flight == 0:
                 self.idle.set()
+            span.end(status.name, completion_tokens, finish_reason, getattr(self.engine.info, "served_name", ""))
 
     def _release(self, stream: RequestStream | None, grant: Grant | None, timer: asyncio.TimerHandle | None,
                  finished: bool) -> None:

@@ -43,7 +43,8 @@ class Tracer:
         exporter = OTLPSpanExporter(endpoint=config.otlp_endpoint, insecure=True, timeout=config.export_timeout_s)
         gate = _Gate(exported, dropped)
         self.provider = TracerProvider(sampler=_sampler(config), resource=Resource({"service.name": config.service_name}))
-        gate.inner = BatchSpanProcessor(_Counted(exporter, gate), max_queue_size=QUEUE)
+        self._exporter = _Counted(exporter, gate)
+        gate.inner = BatchSpanProcessor(self._exporter, max_queue_size=QUEUE)
         self.provider.add_span_processor(gate)
         self._tracer = self.provider.get_tracer("cy-llm-worker")
         self._propagator = TraceContextTextMapPropagator()
@@ -59,9 +60,16 @@ class Tracer:
                                                    "rpc.method": "StreamPredict", "cyllm.request_id": request_id})
         return RequestSpan(self._tracer, span) if span.is_recording() else NO_SPAN
 
-    def shutdown(self) -> None:
-        """Exports what is still batched (bounded by the exporter's timeout)."""
+    def shutdown(self, timeout_s: float = 2.0) -> None:
+        """Exports what is still batched, waiting at most about timeout_s: the exporter retries an
+        unreachable collector until its own timeout, which must not hold up the worker's exit
+        (what is left then is counted as dropped)."""
         if self._tracer is not None:
+            # force_flush exports on the calling thread, retrying past its own timeout argument.
+            flusher = threading.Thread(target=self.provider.force_flush, daemon=True)
+            flusher.start()
+            flusher.join(timeout_s)
+            self._exporter.shutdown()  # ends an export still retrying
             self.provider.shutdown()
 
 
@@ -200,6 +208,7 @@ class _Counted:
 
     def __init__(self, inner, gate: _Gate):
         self.inner, self.gate = inner, gate
+        self.stopped = False
 
     def export(self, spans):
         from opentelemetry.sdk.trace.export import SpanExportResult
@@ -216,7 +225,9 @@ class _Counted:
         return result
 
     def shutdown(self) -> None:
-        self.inner.shutdown()
+        if not self.stopped:  # once: Tracer.shutdown and the batch processor's both call it
+            self.stopped = True
+            self.inner.shutdown()
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return self.inner.force_flush(timeout_millis)

@@ -123,7 +123,7 @@ impl Gateway {
             let remaining = match deadline {
                 Some(deadline) if deadline <= now => {
                     trace::record_status(&attempt_span, "DEADLINE_EXCEEDED");
-                    trace::record_status(span, "DEADLINE_EXCEEDED");
+                    record_end(route, &request.request_id, &worker.name, "DEADLINE_EXCEEDED", started, None, span);
                     return Err(SidecarError::Upstream(tonic::Status::deadline_exceeded("deadline passed before a worker answered")))
                 }
                 Some(deadline) => Some(deadline - now),
