@@ -80,6 +80,18 @@ class EngineRequestError(WorkerError):
     code = grpc.StatusCode.INTERNAL
 
 
+class NoCacheEvents(WorkerError):
+    """The engine publishes no prefix-cache events (WorkerControl.CacheEvents)."""
+
+    code = grpc.StatusCode.UNIMPLEMENTED
+
+
+class CacheSubscriberLagging(WorkerError):
+    """A CacheEvents subscriber fell too far behind; it must subscribe again."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The status and client-facing message for an exception; internals never leak."""
     if isinstance(exc, WorkerError):

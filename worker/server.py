@@ -15,7 +15,7 @@ from grpc_reflection.v1alpha import reflection
 from worker import __version__
 from worker.config import Config
 from worker.engines.base import BaseEngine
-from worker.errors import Draining, EngineDead
+from worker.errors import Draining, EngineDead, NoCacheEvents, WorkerError, status_for
 from worker.gen.cyllm.inference.v1 import inference_pb2 as pb
 from worker.gen.cyllm.inference.v1 import inference_pb2_grpc as pb_grpc
 from worker.inference import InferenceServicer
@@ -49,7 +49,21 @@ class ControlServicer(pb_grpc.WorkerControlServicer):
     def _capabilities(self) -> pb.Capabilities:
         able = self.worker.engine.capabilities()
         return pb.Capabilities(structured_output=able.structured_output, max_logprobs=able.max_logprobs,
-                               prompt_logprobs=able.prompt_logprobs, tools=able.tools)
+                               prompt_logprobs=able.prompt_logprobs, tools=able.tools,
+                               cache_events=self.worker.engine.events is not None)
+
+    async def CacheEvents(self, request, context):
+        events = self.worker.engine.events
+        try:
+            if events is None:
+                raise NoCacheEvents(f"the {self.worker.engine.name} engine publishes no cache events")
+            async for batch in events.subscribe():
+                yield pb.CacheEventBatch(
+                    sequence=batch.sequence, snapshot=batch.snapshot, block_size=events.block_size,
+                    stored=[pb.CachedBlock(hash=h, parent_hash=p, token_ids=t) for h, p, t in batch.stored],
+                    removed=batch.removed)
+        except WorkerError as exc:
+            await context.abort(*status_for(exc))
 
     async def GetLoad(self, request, context) -> pb.WorkerLoad:
         load = self.worker.scheduler.load()

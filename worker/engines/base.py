@@ -16,6 +16,7 @@ from worker.telemetry import get_logger
 
 if TYPE_CHECKING:
     from worker.config import Config
+    from worker.engines.cache_events import CacheEvents
 
 log = get_logger(__name__)
 
@@ -110,6 +111,8 @@ class BaseEngine(ABC):
     def __init__(self, config: Config, on_fatal: Callable[[BaseException], None] | None = None):
         self.config = config
         self.info: ModelInfo | None = None
+        # The prefix cache's changes (WorkerControl.CacheEvents), for engines that publish them.
+        self.events: CacheEvents | None = None
         # Called once if the engine can no longer serve anything; the worker then exits.
         self._on_fatal = on_fatal or (lambda error: None)
         # time.monotonic() of the last step the engine completed (a prefill chunk or a decode),

@@ -39,6 +39,9 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[bytes, int] = {}  # hash -> block
         self._hash_of: dict[int, bytes] = {}  # block -> hash
+        # What changed in the cache since take_changes(): ("stored", hash, parent, tokens) and
+        # ("removed", hash), for subscribers to the cache's events (cache_events.py).
+        self._changes: list[tuple] = []
 
     @property
     def num_free(self) -> int:
@@ -84,12 +87,15 @@ class BlockManager:
         if not self.prefix_caching:
             return
         for index in range(len(table.hashes), num_computed // self.block_size):
-            digest = self._hash(table.hashes[-1] if table.hashes else None, tokens, index)
+            parent = table.hashes[-1] if table.hashes else None
+            digest = self._hash(parent, tokens, index)
             table.hashes.append(digest)
             block = table.blocks[index]
             if digest not in self._cached:  # else an equal block is cached already; this one stays private
                 self._cached[digest] = block
                 self._hash_of[block] = digest
+                self._changes.append(("stored", digest, parent or b"",
+                                      tokens[index * self.block_size:(index + 1) * self.block_size]))
 
     def release(self, table: BlockTable) -> None:
         """Gives back a finished, aborted or preempted sequence's blocks; the last ones are freed
@@ -101,10 +107,15 @@ class BlockManager:
         table.blocks.clear()
         table.hashes.clear()
 
+    def take_changes(self) -> list[tuple]:
+        changes, self._changes = self._changes, []
+        return changes
+
     def _uncache(self, block: int) -> None:
         digest = self._hash_of.pop(block, None)
         if digest is not None:
             del self._cached[digest]
+            self._changes.append(("removed", digest))
 
     def _hash(self, parent: bytes | None, tokens: list[int], index: int) -> bytes:
         # A cryptographic hash: a collision would hand one prompt another's KV.

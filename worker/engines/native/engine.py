@@ -23,6 +23,7 @@ from worker.config import ConfigError
 from worker.engines.base import ModelInfo, RequestStream
 from worker.engines.detokenizer import OutputText
 from worker.engines.native import kernels as cpu_kernels
+from worker.engines.cache_events import CacheEvents
 from worker.engines.native.block_manager import BlockManager, zeros
 from worker.engines.native.model import Batch, load_model
 from worker.engines.native.pacer import PrefillPacer
@@ -66,6 +67,7 @@ class NativeEngine(ThreadedEngine):
             raise ConfigError("engine.args.overlap_output", "auto (on for CUDA) | true | false")
         self.model = self.tokenizer = self.device = None
         self.blocks: BlockManager | None = None
+        self.events = CacheEvents(int(self.args["block_size"]))
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []
         self._pending: list[tuple[Sequence, int]] = []  # (sequence, token) sampled and not yet emitted
@@ -393,4 +395,6 @@ class NativeEngine(ThreadedEngine):
             if finish is not None and not seq.done:
                 self._drop(seq)
             outputs.append((seq.stream.put, seq.output(token, text, finish)))
+        if changes := self.blocks.take_changes():  # the cache's changes since the last step, in its wake-up
+            outputs.append((self.events.publish, changes))
         self._post_all(outputs)

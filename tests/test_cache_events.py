@@ -1,0 +1,143 @@
+"""WorkerControl.CacheEvents: the engine's prefix cache as a snapshot and then its changes, named
+by the same hash chain a router computes from a request's tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import threading
+import time
+from array import array
+
+import grpc
+import pytest
+import torch
+
+from worker.engines.cache_events import CacheEvents
+from worker.errors import CacheSubscriberLagging
+from worker.gen.cyllm.inference.v1 import inference_pb2 as pb
+from worker.gen.cyllm.inference.v1 import inference_pb2_grpc as pb_grpc
+
+BLOCK = 16
+
+
+def chain(token_ids: list[int], block_size: int = BLOCK) -> list[bytes]:
+    """The names of a prompt's full blocks, as the contract defines them (not the engine's code)."""
+    hashes, parent = [], b""
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hashlib.sha256(parent + array("q", token_ids[start:start + block_size]).tobytes()).digest()
+        hashes.append(parent)
+    return hashes
+
+
+async def test_batches_say_what_changed_and_a_snapshot_joins_them():
+    events = CacheEvents(BLOCK)
+    events.publish([("stored", b"a", b"", [1]), ("stored", b"b", b"a", [2])])
+    subscription = events.subscribe()
+    snapshot = await anext(subscription)
+    assert snapshot.snapshot and snapshot.sequence == 1 and [h for h, _, _ in snapshot.stored] == [b"a", b"b"]
+    # One step: b evicted, c stored, d stored and evicted again, a evicted and stored again.
+    events.publish([("removed", b"b"), ("stored", b"c", b"a", [3]), ("stored", b"d", b"c", [4]), ("removed", b"d"),
+                    ("removed", b"a"), ("stored", b"a", b"", [1])])
+    events.publish([("stored", b"x", b"", [9]), ("removed", b"x")])  # no net change: no batch
+    events.publish([("removed", b"c")])
+    first, second = await anext(subscription), await anext(subscription)
+    assert (first.sequence, first.snapshot, first.stored, first.removed) == (2, False, [(b"c", b"a", [3])], [b"b"])
+    assert (second.sequence, second.stored, second.removed) == (3, [], [b"c"])
+    late_subscription = events.subscribe()
+    late = await anext(late_subscription)
+    assert late.sequence == 3 and [h for h, _, _ in late.stored] == [b"a"]
+    for open_one in (subscription, late_subscription):
+        await open_one.aclose()
+    assert not events._subscribers  # a subscriber that leaves is forgotten
+
+
+async def test_a_subscriber_that_falls_behind_is_ended():
+    events = CacheEvents(BLOCK, max_pending=2)
+    subscription = events.subscribe()
+    await anext(subscription)
+    for index in range(3):
+        events.publish([("stored", bytes([index]), b"", [index])])
+    assert [(await anext(subscription)).sequence for _ in range(2)] == [1, 2]
+    with pytest.raises(CacheSubscriberLagging):
+        await anext(subscription)
+    assert (await anext(events.subscribe())).sequence == 3  # a new subscription starts from a snapshot
+
+
+async def test_the_native_engine_publishes_its_cache_and_evictions(embedded_model):
+    from tests.test_native_engine import engine_for, generate
+    from worker.engines.native.model import load_model
+
+    weights_gib = load_model(embedded_model, torch.float32, torch.device("cpu")).weight_bytes() / (1 << 30)
+    # Room for about 19 blocks: the prompts below need more, so older blocks are evicted.
+    engine = engine_for(embedded_model, **{"resources.memory_limit_gib": str(weights_gib + 0.0135)})
+    await engine.load_model()
+    subscription = engine.events.subscribe()
+    try:
+        assert (await anext(subscription)).stored == []
+        prompts = [[(7 * p + i) % 5000 + 10 for i in range(50 + 10 * p)] for p in range(8)]
+        await generate(engine, prompts[:1], together=False)
+        stored = (await asyncio.wait_for(anext(subscription), 10)).stored
+        # 50 prompt tokens and 63 generated: the first 7 blocks are full; the first 3 hold only the prompt.
+        assert [h for h, _, _ in stored][:3] == chain(prompts[0])
+        assert stored[1][1] == stored[0][0] and stored[0][1] == b"" and stored[0][2] == prompts[0][:BLOCK]
+        await generate(engine, prompts[1:], together=False)
+        removed: set[bytes] = set()
+        while not removed:  # the cache holds about 19 blocks, the prompts need about 60
+            removed |= set((await asyncio.wait_for(anext(subscription), 5)).removed)
+        await asyncio.sleep(0.2)  # the last step's batch reaches the loop
+        snapshot = await anext(engine.events.subscribe())
+        assert {h for h, _, _ in snapshot.stored} == set(engine.blocks._cached)
+    finally:
+        await subscription.aclose()
+        await engine.unload_model()
+
+
+def test_cache_events_over_grpc_and_after_a_restart(worker_process, embedded_model):
+    worker = worker_process("--engine", "native", "--model", str(embedded_model))
+    worker.wait_ready()
+    ids = list(range(100, 150))
+    with grpc.insecure_channel(f"unix:{worker.socket_path}") as channel:
+        control = pb_grpc.WorkerControlStub(channel)
+        assert control.GetInfo(pb.GetInfoRequest(), timeout=5).capabilities.cache_events
+        stream = control.CacheEvents(pb.CacheEventsRequest(), timeout=60)
+        first = next(stream)
+        assert first.snapshot and first.block_size == BLOCK
+        seen: list[bytes] = []
+
+        def read() -> None:
+            with contextlib.suppress(grpc.RpcError):  # cancelled below
+                seen.extend(block.hash for batch in stream for block in batch.stored)
+
+        threading.Thread(target=read, daemon=True).start()
+        inference = pb_grpc.InferenceServiceStub(channel)
+        request = pb.PredictRequest(token_ids=pb.TokenIds(ids=ids), sampling=pb.SamplingParams(max_tokens=2))
+        list(inference.StreamPredict(request, timeout=30))
+        for _ in range(100):  # the reader thread gets the step's batch a moment after the answer
+            if set(chain(ids)) <= set(seen):
+                break
+            time.sleep(0.05)
+        assert set(chain(ids)) <= set(seen)
+        again = next(control.CacheEvents(pb.CacheEventsRequest(), timeout=10))
+        assert again.snapshot and again.sequence >= 1 and set(chain(ids)) <= {b.hash for b in again.stored}
+        stream.cancel()
+    socket_path = worker.socket_path
+    worker.stop()
+    restarted = worker_process("--engine", "native", "--model", str(embedded_model), socket_path=socket_path)
+    restarted.wait_ready()
+    with grpc.insecure_channel(f"unix:{socket_path}") as channel:
+        fresh = next(pb_grpc.WorkerControlStub(channel).CacheEvents(pb.CacheEventsRequest(), timeout=10))
+        # A new cache (its warm-up's blocks only): a router replaces its view of this worker.
+        assert fresh.snapshot and not set(chain(ids)) & {b.hash for b in fresh.stored}
+
+
+def test_an_engine_without_cache_events_says_so(worker_process):
+    worker = worker_process("--engine", "synthetic")
+    worker.wait_ready()
+    with grpc.insecure_channel(f"unix:{worker.socket_path}") as channel:
+        control = pb_grpc.WorkerControlStub(channel)
+        assert not control.GetInfo(pb.GetInfoRequest(), timeout=5).capabilities.cache_events
+        with pytest.raises(grpc.RpcError) as error:
+            next(control.CacheEvents(pb.CacheEventsRequest(), timeout=5))
+        assert error.value.code() == grpc.StatusCode.UNIMPLEMENTED and "synthetic" in error.value.details()

@@ -1,0 +1,77 @@
+"""An engine's prefix cache as events, for cache-aware routers (WorkerControl.CacheEvents).
+
+The engine thread hands each step's changes to the event loop (`publish`); here they are netted
+into one numbered batch, applied to a copy of the cache kept on the loop, and fanned out. A new
+subscriber gets that copy first, as a snapshot numbered with the last batch it includes, so the
+snapshot and the batches after it join without a gap or an overlap, and no thread reads the
+engine's own tables. A subscriber that falls too far behind is ended (CacheSubscriberLagging) and
+subscribes again for a new snapshot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from worker.errors import CacheSubscriberLagging
+
+# Batches one subscriber may have waiting before it is ended.
+MAX_PENDING = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class CacheBatch:
+    sequence: int
+    snapshot: bool
+    stored: list[tuple[bytes, bytes, list[int]]]  # (hash, parent hash, token ids)
+    removed: list[bytes]
+
+
+class CacheEvents:
+    def __init__(self, block_size: int, max_pending: int = MAX_PENDING):
+        self.block_size = block_size
+        self.sequence = 0
+        self.max_pending = max_pending
+        self._blocks: dict[bytes, tuple[bytes, list[int]]] = {}  # hash -> (parent hash, token ids)
+        self._subscribers: set[asyncio.Queue] = set()
+
+    @property
+    def size(self) -> int:
+        return len(self._blocks)
+
+    def publish(self, changes: list[tuple]) -> None:
+        """Applies one step's ("stored", hash, parent, tokens) and ("removed", hash) changes, in
+        order; the batch says only what changed from before the step to after it."""
+        was: dict[bytes, bool] = {}  # hash -> cached before this step
+        for change in changes:
+            digest = change[1]
+            was.setdefault(digest, digest in self._blocks)
+            if change[0] == "stored":
+                self._blocks[digest] = (change[2], list(change[3]))
+            else:
+                self._blocks.pop(digest, None)
+        stored = [(h, *self._blocks[h]) for h, before in was.items() if h in self._blocks and not before]
+        removed = [h for h, before in was.items() if before and h not in self._blocks]
+        if not stored and not removed:
+            return
+        self.sequence += 1
+        batch = CacheBatch(self.sequence, False, stored, removed)
+        for queue in list(self._subscribers):
+            if queue.qsize() >= self.max_pending:
+                self._subscribers.discard(queue)
+                queue.put_nowait(None)  # ends it: its view would miss what is dropped here
+            else:
+                queue.put_nowait(batch)
+
+    async def subscribe(self) -> AsyncIterator[CacheBatch]:
+        queue: asyncio.Queue = asyncio.Queue()
+        self._subscribers.add(queue)
+        try:
+            yield CacheBatch(self.sequence, True, [(h, p, t) for h, (p, t) in self._blocks.items()], [])
+            while (batch := await queue.get()) is not None:
+                yield batch
+            raise CacheSubscriberLagging(f"more than {self.max_pending} cache event batches behind; "
+                                         "subscribe again for a new snapshot")
+        finally:
+            self._subscribers.discard(queue)
