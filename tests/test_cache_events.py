@@ -141,3 +141,36 @@ def test_an_engine_without_cache_events_says_so(worker_process):
         with pytest.raises(grpc.RpcError) as error:
             next(control.CacheEvents(pb.CacheEventsRequest(), timeout=5))
         assert error.value.code() == grpc.StatusCode.UNIMPLEMENTED and "synthetic" in error.value.details()
+
+
+def test_the_sidecar_follows_each_worker_s_cache_and_starts_over_after_a_restart(worker_process, sidecar,
+                                                                                 embedded_model):
+    from tests.test_observability import wait_for
+    from tests.test_sidecar_faults import metric
+
+    native = worker_process("--engine", "native", "--model", str(embedded_model))
+    synthetic = worker_process("--engine", "synthetic")
+    native.wait_ready()
+    synthetic.wait_ready()
+    front = sidecar([native.socket_path, synthetic.socket_path])
+    front.wait_ready()
+
+    def known(worker: str) -> tuple[float, float]:
+        return (metric(front, "cyllm_sidecar_cache_events_live", worker=worker),
+                metric(front, "cyllm_sidecar_prefix_index_blocks", worker=worker))
+
+    assert wait_for(lambda: known("w0")[0] == 1, timeout=10), front.log()[-2000:]
+    warm = known("w0")[1]  # the warm-up's blocks
+    assert warm > 0 and known("w1") == (0, 0)  # the synthetic engine publishes nothing: routed by load
+    with grpc.insecure_channel(f"unix:{native.socket_path}") as channel:
+        list(pb_grpc.InferenceServiceStub(channel).StreamPredict(pb.PredictRequest(
+            token_ids=pb.TokenIds(ids=list(range(100, 150))), sampling=pb.SamplingParams(max_tokens=2)), timeout=30))
+    assert wait_for(lambda: known("w0")[1] >= warm + 3, timeout=10)
+    socket_path = native.socket_path
+    native.stop()
+    # Its stream is gone: what it held is unknown, so nothing is assumed.
+    assert wait_for(lambda: known("w0") == (0, 0), timeout=10)
+    restarted = worker_process("--engine", "native", "--model", str(embedded_model), socket_path=socket_path)
+    restarted.wait_ready()
+    assert wait_for(lambda: known("w0") == (1, warm), timeout=20), known("w0")  # a new cache, a new snapshot
+    assert metric(front, "cyllm_sidecar_cache_event_resyncs_total", worker="w0") >= 1

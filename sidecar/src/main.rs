@@ -2,6 +2,7 @@
 
 mod auth;
 mod breaker;
+mod cache_index;
 mod config;
 mod error;
 mod gateway;

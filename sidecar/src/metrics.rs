@@ -32,6 +32,11 @@ pub fn install() -> anyhow::Result<PrometheusHandle> {
     metrics::describe_gauge!("cyllm_pod_requests_waiting", "Requests queued in the pod's ready workers' schedulers");
     metrics::describe_gauge!("cyllm_pod_requests_running", "Requests running in the pod's ready workers");
     metrics::describe_gauge!("cyllm_pod_kv_cache_usage_ratio", "KV budget in use in the pod's fullest ready worker, 0-1");
+    metrics::describe_gauge!("cyllm_sidecar_prefix_index_blocks", "Blocks the sidecar knows the worker's prefix cache holds (CacheEvents)");
+    metrics::describe_gauge!("cyllm_sidecar_cache_events_live", "1 while the worker's CacheEvents stream is followed");
+    metrics::describe_counter!("cyllm_sidecar_cache_event_resyncs_total", "CacheEvents streams started over, by reason");
+    metrics::describe_counter!("cyllm_sidecar_spans_dropped_total", "Trace spans that never reached the collector, by reason");
+    metrics::describe_counter!("cyllm_sidecar_spans_exported_total", "Trace spans sent to the OTLP collector");
     metrics::describe_gauge!("cyllm_pod_prefix_cache_hit_ratio", "Prompt tokens found in the prefix caches over those looked up, since the workers started");
     let upkeep = handle.clone();
     tokio::spawn(async move {

@@ -16,6 +16,7 @@ use tonic_health::pb::HealthCheckRequest;
 use tower::service_fn;
 
 use crate::breaker::Breaker;
+use crate::cache_index::{self, CacheView};
 use crate::config::Args;
 use crate::proto::worker_control_client::WorkerControlClient;
 use crate::proto::predict_request::Input;
@@ -79,6 +80,8 @@ pub struct Worker {
     outstanding: AtomicUsize,
     /// Its last GetLoad answer.
     last_load: RwLock<WorkerLoad>,
+    /// What its prefix cache holds (cache_index::follow).
+    pub cache: CacheView,
 }
 
 impl Worker {
@@ -107,6 +110,7 @@ impl Worker {
             misconfigured: RwLock::new(None),
             outstanding: AtomicUsize::new(0),
             last_load: RwLock::new(WorkerLoad::default()),
+            cache: CacheView::default(),
         })
     }
 
@@ -279,6 +283,7 @@ impl Pool {
         for worker in &self.workers {
             tokio::spawn(watch_health(worker.clone(), watch.clone()));
             tokio::spawn(poll_load(worker.clone(), watch.clone()));
+            tokio::spawn(cache_index::follow(worker.clone()));
         }
     }
 }
