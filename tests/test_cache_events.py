@@ -11,6 +11,7 @@ import time
 from array import array
 
 import grpc
+import httpx
 import pytest
 import torch
 
@@ -114,6 +115,8 @@ def test_cache_events_over_grpc_and_after_a_restart(worker_process, embedded_mod
         inference = pb_grpc.InferenceServiceStub(channel)
         request = pb.PredictRequest(token_ids=pb.TokenIds(ids=ids), sampling=pb.SamplingParams(max_tokens=2))
         list(inference.StreamPredict(request, timeout=30))
+        named = control.PrefixHashes(request, timeout=10)  # what a router looks up: the same names
+        assert list(named.hashes) == chain(ids) and (named.prompt_tokens, named.block_size) == (50, BLOCK)
         for _ in range(100):  # the reader thread gets the step's batch a moment after the answer
             if set(chain(ids)) <= set(seen):
                 break
@@ -174,3 +177,46 @@ def test_the_sidecar_follows_each_worker_s_cache_and_starts_over_after_a_restart
     restarted.wait_ready()
     assert wait_for(lambda: known("w0") == (1, warm), timeout=20), known("w0")  # a new cache, a new snapshot
     assert metric(front, "cyllm_sidecar_cache_event_resyncs_total", worker="w0") >= 1
+
+
+def test_cache_aware_routing_sends_a_shared_prefix_where_it_is_cached(worker_process, sidecar, embedded_model):
+    """Two native workers: requests that share a long system prompt go where its blocks are, and
+    answer what either worker answers alone; with that worker gone, the other serves by load."""
+    from tests.test_observability import logged, wait_for
+    from tests.test_sidecar_faults import metric
+
+    workers = [worker_process("--engine", "native", "--model", str(embedded_model)) for _ in range(2)]
+    for worker in workers:
+        worker.wait_ready()
+    front = sidecar([w.socket_path for w in workers], "--routing", "cache-aware")
+    front.wait_ready()
+    assert wait_for(lambda: metric(front, "cyllm_sidecar_cache_events_live") == 2, timeout=10)
+    system = "You are the archivist of a very old library. Answer briefly and cite the shelf. " * 6
+
+    def ask(question: str, request_id: str) -> str:
+        body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
+                "max_tokens": 8, "temperature": 0}
+        reply = httpx.post(f"{front.http}/v1/chat/completions", json=body, headers={"x-request-id": request_id}, timeout=60)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["choices"][0]["message"]["content"]
+
+    ask("Where is Dune?", "first")
+    assert wait_for(lambda: any(logged(w, "first") for w in workers), timeout=5)
+    home = next(w for w in workers if logged(w, "first"))
+    # The first answer's blocks reach the index before the next request is routed.
+    assert wait_for(lambda: metric(front, "cyllm_sidecar_prefix_index_blocks") >= 10, timeout=10)
+    answers = {f"q{i}": ask(q, f"q{i}") for i, q in enumerate(("Who wrote Emma?", "Is Ulysses long?", "Where is Dune?"))}
+    assert all(wait_for(lambda: logged(home, request_id), timeout=5) for request_id in answers), "not sent to the cache"
+    assert metric(front, "cyllm_sidecar_routing_decisions_total", reason="cache_hit") >= 3
+    assert metric(front, "cyllm_sidecar_predicted_prefix_hit_tokens_total") >= 3 * 16 * 6
+    # The same answer from either worker alone (greedy), so where it ran does not show.
+    for worker in workers:
+        with grpc.insecure_channel(f"unix:{worker.socket_path}") as channel:
+            request = pb.PredictRequest(sampling=pb.SamplingParams(max_tokens=8, temperature=0))
+            request.chat.messages.add(role="system", content=system)
+            request.chat.messages.add(role="user", content="Where is Dune?")
+            direct = "".join(r.text for r in pb_grpc.InferenceServiceStub(channel).StreamPredict(request, timeout=60))
+        assert direct == answers["q2"]
+    home.stop()
+    assert wait_for(lambda: metric(front, "cyllm_sidecar_cache_events_live") == 1, timeout=10)
+    assert ask("Who wrote Emma?", "after") == answers["q0"]  # the other worker, by load

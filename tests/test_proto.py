@@ -27,7 +27,7 @@ def test_contract_names_are_stable():
     assert service.full_name == "cyllm.inference.v1.InferenceService"
     assert method.server_streaming and not method.client_streaming
     assert set(pb.DESCRIPTOR.services_by_name["WorkerControl"].methods_by_name) == {
-        "GetInfo", "GetLoad", "Metrics", "Drain", "CacheEvents"}
+        "GetInfo", "GetLoad", "Metrics", "Drain", "CacheEvents", "PrefixHashes"}
 
 
 def test_a_wheel_from_a_fresh_tree_carries_the_stubs_and_the_registry(tmp_path):

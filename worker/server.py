@@ -15,11 +15,13 @@ from grpc_reflection.v1alpha import reflection
 from worker import __version__
 from worker.config import Config
 from worker.engines.base import BaseEngine
-from worker.errors import Draining, EngineDead, NoCacheEvents, WorkerError, status_for
+from worker.engines.cache_events import prompt_hashes
+from worker.errors import Draining, EngineDead, NoCacheEvents, NotReady, WorkerError, status_for
 from worker.gen.cyllm.inference.v1 import inference_pb2 as pb
 from worker.gen.cyllm.inference.v1 import inference_pb2_grpc as pb_grpc
 from worker.inference import InferenceServicer
 from worker.listener import SocketOwnership
+from worker.request import GenerationRequest
 from worker.scheduler import TaskScheduler
 from worker.telemetry import Metrics, get_logger
 
@@ -64,6 +66,24 @@ class ControlServicer(pb_grpc.WorkerControlServicer):
                     removed=batch.removed)
         except WorkerError as exc:
             await context.abort(*status_for(exc))
+
+    async def PrefixHashes(self, message: pb.PredictRequest, context) -> pb.PrefixHashesReply:
+        engine = self.worker.engine
+        try:
+            if engine.events is None:
+                raise NoCacheEvents(f"the {engine.name} engine publishes no cache events")
+            if not self.worker.inference.ready:
+                raise NotReady("model is loading")
+            request = GenerationRequest.from_pb(message, self.worker.config.sampling)
+            if request.adapter:
+                return pb.PrefixHashesReply(block_size=engine.events.block_size)
+            ids = request.prompt_token_ids
+            if ids is None:
+                ids = await asyncio.to_thread(engine.encode, request)
+        except WorkerError as exc:
+            await context.abort(*status_for(exc))
+        return pb.PrefixHashesReply(block_size=engine.events.block_size, prompt_tokens=len(ids),
+                                    hashes=prompt_hashes(ids, engine.events.block_size))
 
     async def GetLoad(self, request, context) -> pb.WorkerLoad:
         load = self.worker.scheduler.load()

@@ -52,6 +52,12 @@ impl CacheView {
         follows
     }
 
+    /// How many leading blocks of a request's chain the worker holds.
+    pub fn prefix_blocks(&self, chain: &[BlockHash]) -> usize {
+        let view = self.inner.read().unwrap();
+        chain.iter().take_while(|hash| view.blocks.contains(*hash)).count()
+    }
+
     /// Forgets everything: the stream is down, so what the worker holds is unknown.
     pub fn reset(&self, worker: &str) {
         let mut view = self.inner.write().unwrap();
@@ -125,14 +131,6 @@ mod tests {
             block_size: 16,
             stored: stored.iter().map(|&b| CachedBlock { hash: vec![b; 32], ..Default::default() }).collect(),
             removed: removed.iter().map(|&b| vec![b; 32]).collect(),
-        }
-    }
-
-    impl CacheView {
-        /// How many leading blocks of a request's chain the worker holds.
-        fn prefix_blocks(&self, chain: &[BlockHash]) -> usize {
-            let view = self.inner.read().unwrap();
-            chain.iter().take_while(|hash| view.blocks.contains(*hash)).count()
         }
     }
 

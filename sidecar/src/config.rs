@@ -12,6 +12,9 @@ pub enum RoutingMode {
     LeastOutstanding,
     /// Requests whose first `--prefix-bytes` bytes match go to the same worker (its prefix cache).
     PrefixAffinity,
+    /// The worker whose prefix cache holds the longest prefix of the request (from the workers'
+    /// CacheEvents), unless it is much busier than the others; else least outstanding.
+    CacheAware,
 }
 
 /// OTEL_TRACES_SAMPLER's values (OpenTelemetry's SDK configuration names).
@@ -54,6 +57,15 @@ pub struct Args {
     pub api_keys_file: Option<PathBuf>,
     #[arg(long, env = "CYLLM_SIDECAR_ROUTING", value_enum, default_value = "least-outstanding")]
     pub routing: RoutingMode,
+    /// cache-aware: the share of a request's cacheable blocks a worker must hold to be chosen for them.
+    #[arg(long, env = "CYLLM_SIDECAR_CACHE_MIN_MATCH", default_value_t = 0.5)]
+    pub cache_min_match: f64,
+    /// cache-aware: a worker with this many more requests than the least busy one (and
+    /// --cache-balance-ratio times as many) is not chosen for its cache.
+    #[arg(long, env = "CYLLM_SIDECAR_CACHE_BALANCE_ABS", default_value_t = 8)]
+    pub cache_balance_abs: u64,
+    #[arg(long, env = "CYLLM_SIDECAR_CACHE_BALANCE_RATIO", default_value_t = 1.5)]
+    pub cache_balance_ratio: f64,
     /// Prompt bytes hashed for prefix affinity.
     #[arg(long, env = "CYLLM_SIDECAR_PREFIX_BYTES", default_value_t = 256)]
     pub prefix_bytes: usize,
@@ -164,6 +176,8 @@ impl Args {
         anyhow::ensure!(self.worker_keepalive_timeout_s > 0.0, "--worker-keepalive-timeout-s must be positive");
         anyhow::ensure!(self.worker_probe_timeout_s > 0.0 && self.load_poll_s > 0.0,
                         "--worker-probe-timeout-s and --load-poll-s must be positive");
+        anyhow::ensure!((0.0..=1.0).contains(&self.cache_min_match), "--cache-min-match must be within 0..1");
+        anyhow::ensure!(self.cache_balance_ratio >= 1.0, "--cache-balance-ratio must be at least 1");
         anyhow::ensure!(self.max_header_bytes >= 8192, "--max-header-bytes must be at least 8192");
         anyhow::ensure!(self.max_connections >= 1 && self.http2_max_streams >= 1,
                         "--max-connections and --http2-max-streams must be at least 1");

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tonic::Streaming;
 
+use crate::cache_routing::CachePolicy;
 use crate::config::{Args, RoutingMode};
 use crate::error::{upstream_code, SidecarError};
 use crate::pool::{OutstandingGuard, Pool, Worker};
@@ -60,6 +61,7 @@ pub struct Gateway {
     streams: Arc<Semaphore>,
     max_retries: u32,
     routing: RoutingMode,
+    cache_policy: CachePolicy,
     prefix_bytes: usize,
     max_decoding_bytes: usize,
     stall_timeout: Duration,
@@ -74,6 +76,7 @@ impl Gateway {
             streams: Arc::new(Semaphore::new(args.max_streams)),
             max_retries: args.max_retries,
             routing: args.routing,
+            cache_policy: CachePolicy::from_args(args),
             prefix_bytes: args.prefix_bytes,
             max_decoding_bytes: args.max_request_bytes.max(16 * 1024 * 1024),
             stall_timeout: Duration::from_secs_f64(args.worker_stall_timeout_s),
@@ -103,6 +106,10 @@ impl Gateway {
         self.budget.deposit();
         let deadline = timeout.map(|t| started + t);
         let affinity = (self.routing == RoutingMode::PrefixAffinity).then(|| affinity_key(&request, self.prefix_bytes));
+        let mut preferred = match self.routing {
+            RoutingMode::CacheAware => self.cache_policy.choose(&self.pool.candidates(&request.model, started), &request).await,
+            _ => None,
+        };
         let mut tried: Vec<Arc<Worker>> = Vec::new();
         let mut last_error = None;
         for attempt in 0..=self.max_retries {
@@ -113,7 +120,9 @@ impl Gateway {
                 .into_iter()
                 .filter(|w| !tried.iter().any(|t| Arc::ptr_eq(t, w)))
                 .collect();
-            let Some(worker) = pick(&candidates, affinity, &mut rand::rng()) else { break };
+            // The cache-aware choice is for the first attempt; a retry goes by load.
+            let first_choice = preferred.take().filter(|p| candidates.iter().any(|c| Arc::ptr_eq(c, p)));
+            let Some(worker) = first_choice.or_else(|| pick(&candidates, affinity, &mut rand::rng())) else { break };
             let attempt_span = trace::attempt_span(span, &worker.name, attempt + 1, self.policy(), candidates.len());
             tried.push(worker.clone());
             if !worker.breaker.allow(now) {
@@ -184,6 +193,7 @@ impl Gateway {
         match self.routing {
             RoutingMode::LeastOutstanding => "least-outstanding",
             RoutingMode::PrefixAffinity => "prefix-affinity",
+            RoutingMode::CacheAware => "cache-aware",
         }
     }
 

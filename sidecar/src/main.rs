@@ -3,6 +3,7 @@
 mod auth;
 mod breaker;
 mod cache_index;
+mod cache_routing;
 mod config;
 mod error;
 mod gateway;

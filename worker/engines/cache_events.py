@@ -11,6 +11,8 @@ subscribes again for a new snapshot.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+from array import array
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -18,6 +20,21 @@ from worker.errors import CacheSubscriberLagging
 
 # Batches one subscriber may have waiting before it is ended.
 MAX_PENDING = 4096
+
+
+def block_hash(parent: bytes | None, tokens: list[int]) -> bytes:
+    """A block's name, chained over every token before it. A cryptographic hash: a collision would
+    hand one prompt another's KV."""
+    return hashlib.sha256((parent or b"") + array("q", tokens).tobytes()).digest()
+
+
+def prompt_hashes(tokens: list[int], block_size: int) -> list[bytes]:
+    """The names of a prompt's blocks that a cache can serve (the last prompt token is always
+    computed: its logits are needed)."""
+    hashes: list[bytes] = []
+    for start in range(0, (len(tokens) - 1) // block_size * block_size, block_size):
+        hashes.append(block_hash(hashes[-1] if hashes else None, tokens[start:start + block_size]))
+    return hashes
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,14 +8,14 @@ counted; one that no sequence holds stays cached until the least recently freed 
 
 from __future__ import annotations
 
-import hashlib
 import math
 import mmap
-from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
+
+from worker.engines.cache_events import block_hash
 
 
 @dataclass
@@ -118,9 +118,7 @@ class BlockManager:
             self._changes.append(("removed", digest))
 
     def _hash(self, parent: bytes | None, tokens: list[int], index: int) -> bytes:
-        # A cryptographic hash: a collision would hand one prompt another's KV.
-        chunk = array("q", tokens[index * self.block_size:(index + 1) * self.block_size]).tobytes()
-        return hashlib.sha256((parent or b"") + chunk).digest()
+        return block_hash(parent, tokens[index * self.block_size:(index + 1) * self.block_size])
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
