@@ -53,10 +53,6 @@ class CacheEvents:
         self._blocks: dict[bytes, tuple[bytes, list[int]]] = {}  # hash -> (parent hash, token ids)
         self._subscribers: set[asyncio.Queue] = set()
 
-    @property
-    def size(self) -> int:
-        return len(self._blocks)
-
     def publish(self, changes: list[tuple]) -> None:
         """Applies one step's ("stored", hash, parent, tokens) and ("removed", hash) changes, in
         order; the batch says only what changed from before the step to after it."""
