@@ -77,15 +77,19 @@ class Stack:
             str(sidecar_binary()), *(f"--worker=unix://{s}" for s in self.sockets), "--routing", policy,
             "--grpc-addr", f"127.0.0.1:{free_port()}", "--http-addr", f"127.0.0.1:{self.http}",
             "--metrics-addr", f"127.0.0.1:{self.metrics}", "--log", "warn"])
+        # Ready, and every worker's cache events followed (cache-aware routing needs them).
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{self.http}/readyz").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        time.sleep(1.5)  # the cache event streams are followed
+        while time.monotonic() < deadline and not self.followed(workers):
+            time.sleep(0.1)  # another process's state: polled
+
+    def followed(self, workers: int) -> bool:
+        try:
+            text = httpx.get(f"http://127.0.0.1:{self.metrics}/metrics").text
+        except httpx.HTTPError:
+            return False
+        live = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("cyllm_sidecar_cache_events_live{"))
+        return live == workers
 
     def counters(self) -> dict[str, float]:
         text = httpx.get(f"http://127.0.0.1:{self.metrics}/metrics").text

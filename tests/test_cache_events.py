@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import hashlib
 import threading
-import time
 from array import array
 
 import grpc
@@ -87,7 +86,7 @@ async def test_the_native_engine_publishes_its_cache_and_evictions(embedded_mode
         removed: set[bytes] = set()
         while not removed:  # the cache holds about 19 blocks, the prompts need about 60
             removed |= set((await asyncio.wait_for(anext(subscription), 5)).removed)
-        await asyncio.sleep(0.2)  # the last step's batch reaches the loop
+        # The last step's batch reached the loop in the same wake-up as its tokens.
         snapshot = await anext(engine.events.subscribe())
         assert {h for h, _, _ in snapshot.stored} == set(engine.blocks._cached)
     finally:
@@ -105,11 +104,15 @@ def test_cache_events_over_grpc_and_after_a_restart(worker_process, embedded_mod
         stream = control.CacheEvents(pb.CacheEventsRequest(), timeout=60)
         first = next(stream)
         assert first.snapshot and first.block_size == BLOCK
-        seen: list[bytes] = []
+        seen: set[bytes] = set()
+        found = threading.Event()
 
         def read() -> None:
             with contextlib.suppress(grpc.RpcError):  # cancelled below
-                seen.extend(block.hash for batch in stream for block in batch.stored)
+                for batch in stream:
+                    seen.update(block.hash for block in batch.stored)
+                    if set(chain(ids)) <= seen:
+                        found.set()
 
         threading.Thread(target=read, daemon=True).start()
         inference = pb_grpc.InferenceServiceStub(channel)
@@ -117,11 +120,7 @@ def test_cache_events_over_grpc_and_after_a_restart(worker_process, embedded_mod
         list(inference.StreamPredict(request, timeout=30))
         named = control.PrefixHashes(request, timeout=10)  # what a router looks up: the same names
         assert list(named.hashes) == chain(ids) and (named.prompt_tokens, named.block_size) == (50, BLOCK)
-        for _ in range(100):  # the reader thread gets the step's batch a moment after the answer
-            if set(chain(ids)) <= set(seen):
-                break
-            time.sleep(0.05)
-        assert set(chain(ids)) <= set(seen)
+        assert found.wait(5)  # the reader thread gets the step's batch a moment after the answer
         again = next(control.CacheEvents(pb.CacheEventsRequest(), timeout=10))
         assert again.snapshot and again.sequence >= 1 and set(chain(ids)) <= {b.hash for b in again.stored}
         stream.cancel()

@@ -1,6 +1,7 @@
 """The Rust sidecar in front of real Python workers: gRPC, the openai SDK, cancellation, failover, auth."""
 
 import asyncio
+import contextlib
 import json
 import shutil
 import signal
@@ -167,25 +168,34 @@ def test_worker_killed_mid_stream_fails_fast_and_traffic_moves(worker_process, s
     assert [w["ready"] for w in readyz["workers"]] == [False, True]
 
 
-def test_retry_on_a_full_worker_goes_to_the_other(worker_process, sidecar):
-    full = worker_process(*SYNTHETIC, "--set", "resources.max_concurrency=1", "--set", "resources.max_queue=0")
-    free = worker_process(*SYNTHETIC)
+@contextlib.contextmanager
+def one_full_one_free(worker_process, sidecar, env: dict[str, str] | None = None):
+    """A worker with its one slot held (no queue) and a free one, behind a sidecar blind to their
+    load (no GetLoad after the first, skipped, tick): routing picks the full worker about half the
+    time, and only a retry can serve those requests. Yields (full, free, front)."""
+    full = worker_process(*SYNTHETIC, "--set", "resources.max_concurrency=1", "--set", "resources.max_queue=0", env=env)
+    free = worker_process(*SYNTHETIC, env=env)
     full.wait_ready()
     free.wait_ready()
     with grpc.insecure_channel(f"unix:{full.socket_path}") as direct:
         holder = pb_grpc.InferenceServiceStub(direct).StreamPredict(
             pb.PredictRequest(prompt="hold", sampling=pb.SamplingParams(max_tokens=4000)))
         next(holder)
-        # Blind to the workers' own load (no GetLoad after the first, skipped, tick), routing picks
-        # the full worker about half the time, and only a retry can serve those requests.
-        front = sidecar([full.socket_path, free.socket_path], "--load-poll-s", "1000")
+        front = sidecar([full.socket_path, free.socket_path], "--load-poll-s", "1000", env=env)
         front.wait_ready()
+        try:
+            yield full, free, front
+        finally:
+            holder.cancel()
+
+
+def test_retry_on_a_full_worker_goes_to_the_other(worker_process, sidecar):
+    with one_full_one_free(worker_process, sidecar) as (_, _, front):
         channel, stub, _ = grpc_stub(front)
         with channel:
             for _ in range(24):
                 assert list(stub.StreamPredict(pb.PredictRequest(prompt="x", sampling=pb.SamplingParams(max_tokens=2)),
                                                timeout=10))[-1].usage.completion_tokens == 2
-        holder.cancel()
     metrics = httpx.get(f"http://127.0.0.1:{front.metrics_port}/metrics").text
     assert 'cyllm_sidecar_retries_total{route="grpc",code="RESOURCE_EXHAUSTED"}' in metrics
 

@@ -11,7 +11,7 @@ import pytest
 
 from tests.otlp import Receiver
 from tests.test_observability import wait_for
-from tests.test_sidecar import SYNTHETIC, grpc_stub
+from tests.test_sidecar import SYNTHETIC, grpc_stub, one_full_one_free
 from tests.test_sidecar_faults import metric
 from worker.gen.cyllm.inference.v1 import inference_pb2 as pb
 from worker.gen.cyllm.inference.v1 import inference_pb2_grpc as pb_grpc
@@ -102,33 +102,21 @@ def test_one_request_is_one_trace_across_sidecar_and_worker(worker_process, side
     assert one(spans, service="cy-llm-worker", kind=SERVER).parent_id == one(spans, kind=CLIENT).span_id
 
     # A caller that sampled its trace out: nothing recorded here either (parent-based sampling).
+    channel, stub, _ = grpc_stub(front)
     with channel:
-        list(pb_grpc.InferenceServiceStub(grpc.insecure_channel(f"127.0.0.1:{front.grpc_port}")).StreamPredict(
-            pb.PredictRequest(prompt="x", sampling=pb.SamplingParams(max_tokens=2)), timeout=10,
-            metadata=[("traceparent", f"00-{'ab' * 16}-{CALLER_SPAN}-00")]))
+        list(stub.StreamPredict(pb.PredictRequest(prompt="x", sampling=pb.SamplingParams(max_tokens=2)), timeout=10,
+                                metadata=[("traceparent", f"00-{'ab' * 16}-{CALLER_SPAN}-00")]))
     assert wait_for(lambda: metric(front, "cyllm_sidecar_requests_total") >= 3)
     assert not receiver.wait_for(lambda r: [s for s in r.spans if s.trace_id == "ab" * 16], timeout=1.0)
 
 
 def test_a_retried_request_shows_both_attempts(worker_process, sidecar, receiver):
-    full = worker_process(*SYNTHETIC, "--set", "resources.max_concurrency=1", "--set", "resources.max_queue=0",
-                          env=traced(receiver))
-    free = worker_process(*SYNTHETIC, env=traced(receiver))
-    full.wait_ready()
-    free.wait_ready()
-    with grpc.insecure_channel(f"unix:{full.socket_path}") as direct:
-        holder = pb_grpc.InferenceServiceStub(direct).StreamPredict(
-            pb.PredictRequest(prompt="hold", sampling=pb.SamplingParams(max_tokens=4000)))
-        next(holder)
-        # Blind to load, routing picks the full worker about half the time; a retry serves those.
-        front = sidecar([full.socket_path, free.socket_path], "--load-poll-s", "1000", env=traced(receiver))
-        front.wait_ready()
+    with one_full_one_free(worker_process, sidecar, env=traced(receiver)) as (_, _, front):
         channel, stub, _ = grpc_stub(front)
         with channel:
             for index in range(24):
                 list(stub.StreamPredict(pb.PredictRequest(prompt="x", sampling=pb.SamplingParams(max_tokens=2)),
                                         metadata=[("x-request-id", f"retry-{index}")], timeout=10))
-        holder.cancel()
     retried = receiver.wait_for(lambda r: [s for s in r.spans if s.kind == CLIENT and s.attributes["cyllm.attempt"] == 2])
     assert retried, "no request was retried"
     spans = whole_trace(receiver, next(s for s in receiver.trace(retried[0].trace_id)

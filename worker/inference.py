@@ -83,7 +83,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         arrived = time.perf_counter()
         request_id = message.request_id or uuid.uuid4().hex
         message.request_id = request_id
-        span = self.tracer.start(context.invocation_metadata(), request_id)
+        span = self.tracer.start(context, request_id)
         status = grpc.StatusCode.OK
         grant = stream = timer = finish_reason = None
         finished = False

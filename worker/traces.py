@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 from worker.config import TracingConfig
 
 if TYPE_CHECKING:
+    import grpc
     from prometheus_client import Counter
 
     from worker.request import GenerationRequest
@@ -49,12 +50,13 @@ class Tracer:
         self._tracer = self.provider.get_tracer("cy-llm-worker")
         self._propagator = TraceContextTextMapPropagator()
 
-    def start(self, metadata: Sequence[tuple[str, str | bytes]] | None, request_id: str) -> RequestSpan:
+    def start(self, context: grpc.aio.ServicerContext, request_id: str) -> RequestSpan:
+        """The call's span, a child of the `traceparent` in its metadata (read only when tracing is on)."""
         if self._tracer is None:
             return NO_SPAN
         from opentelemetry.trace import SpanKind
 
-        carrier = {key: value for key, value in metadata or () if isinstance(value, str)}
+        carrier = {key: value for key, value in context.invocation_metadata() or () if isinstance(value, str)}
         span = self._tracer.start_span(METHOD, context=self._propagator.extract(carrier), kind=SpanKind.SERVER,
                                        attributes={"rpc.system": "grpc", "rpc.service": METHOD.split("/")[0],
                                                    "rpc.method": "StreamPredict", "cyllm.request_id": request_id})

@@ -88,14 +88,14 @@ class BlockManager:
             return
         for index in range(len(table.hashes), num_computed // self.block_size):
             parent = table.hashes[-1] if table.hashes else None
-            digest = self._hash(parent, tokens, index)
+            chunk = tokens[index * self.block_size:(index + 1) * self.block_size]
+            digest = block_hash(parent, chunk)
             table.hashes.append(digest)
             block = table.blocks[index]
             if digest not in self._cached:  # else an equal block is cached already; this one stays private
                 self._cached[digest] = block
                 self._hash_of[block] = digest
-                self._changes.append(("stored", digest, parent or b"",
-                                      tokens[index * self.block_size:(index + 1) * self.block_size]))
+                self._changes.append(("stored", digest, parent or b"", chunk))
 
     def release(self, table: BlockTable) -> None:
         """Gives back a finished, aborted or preempted sequence's blocks; the last ones are freed
