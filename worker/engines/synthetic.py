@@ -2,6 +2,9 @@
 
 It runs no model. Prompts are split into words (one token each); every output token is one
 lowercase letter derived from the seed and position. Never a default: it is chosen by name only.
+With a prefill cost and a prefix cache it stands in for a model's workers in routing benchmarks:
+a prompt's cached blocks cost nothing, its others prefill_tokens_per_s, and the cache publishes
+the same events, named the same way, as the native engine's.
 """
 
 from __future__ import annotations
@@ -9,10 +12,12 @@ from __future__ import annotations
 import asyncio
 import time
 import zlib
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from worker.config import ConfigError
 from worker.engines.base import BaseEngine, ModelInfo, RequestStream
+from worker.engines.cache_events import CacheEvents, prompt_hashes
 from worker.engines.detokenizer import StopStrings
 from worker.request import GenerationRequest, RequestOutput
 
@@ -27,7 +32,14 @@ class SyntheticArgs:
     max_model_len: int = 8192
     vocab_size: int = 32000
     prefill_tokens_per_s: float = 0.0
-    """When set, the first token of a request waits prompt_tokens / this."""
+    """When set, the first token of a request waits its uncached prompt tokens / this."""
+    prefill_lanes: int = 0
+    """0: every request prefills at once, each at prefill_tokens_per_s; N: at most N prefills at a
+    time, the rest wait their turn (a compute-bound device is 1)."""
+    prefix_cache_blocks: int = 0
+    """When set, a prefix cache of this many blocks of prompt tokens, least recently used evicted,
+    published as cache events (WorkerControl.CacheEvents)."""
+    block_size: int = 16
     stall_after_tokens: int = 0
     """Fault injection: after this many tokens in all, the engine stops producing (a hung device)."""
     fail_after_tokens: int = 0
@@ -52,6 +64,8 @@ class SyntheticArgs:
             raise ConfigError("engine.args.tokens_per_s", "must be positive")
         if parsed.vocab_size < 30 or parsed.max_model_len < 2 or parsed.budget_tokens < 1:
             raise ConfigError("engine.args", "vocab_size >= 30, max_model_len >= 2 and budget_tokens >= 1")
+        if parsed.prefill_lanes < 0 or parsed.prefix_cache_blocks < 0 or parsed.block_size < 1:
+            raise ConfigError("engine.args", "prefill_lanes >= 0, prefix_cache_blocks >= 0 and block_size >= 1")
         return parsed
 
 
@@ -64,6 +78,38 @@ class _Sequence:
     generated: int = 0
     stops: StopStrings | None = None
     stop_ids: frozenset[int] = field(default_factory=frozenset)
+
+
+class _PrefixCache:
+    """Prompt blocks named as the native engine names them (cache_events.py), the least recently
+    used evicted first. A prompt's blocks are touched last to first, so a chain loses its tail
+    before its head."""
+
+    def __init__(self, capacity: int, events: CacheEvents):
+        self.capacity = capacity
+        self.events = events
+        self._blocks: OrderedDict[bytes, None] = OrderedDict()
+        self.queried = self.hits = 0  # prompt tokens looked up, and found
+
+    def take(self, tokens: list[int]) -> int:
+        """Caches `tokens`' full blocks; returns how many leading tokens were cached already."""
+        size = self.events.block_size
+        hashes = prompt_hashes(tokens, size)
+        held = next((i for i, digest in enumerate(hashes) if digest not in self._blocks), len(hashes))
+        changes: list[tuple] = []
+        for index in reversed(range(len(hashes))):
+            digest = hashes[index]
+            if digest not in self._blocks:
+                parent = hashes[index - 1] if index else b""
+                changes.append(("stored", digest, parent, tokens[index * size:(index + 1) * size]))
+            self._blocks[digest] = None
+            self._blocks.move_to_end(digest)
+        while len(self._blocks) > self.capacity:
+            changes.append(("removed", self._blocks.popitem(last=False)[0]))
+        self.events.publish(changes)
+        self.queried += len(hashes) * size
+        self.hits += held * size
+        return held * size
 
 
 class SyntheticEngine(BaseEngine):
@@ -80,6 +126,11 @@ class SyntheticEngine(BaseEngine):
         self._task: asyncio.Task | None = None
         self._rotation = 0
         self._emitted = 0
+        self._lanes = [0.0] * self.args.prefill_lanes  # when each prefill lane is next free
+        self._cache: _PrefixCache | None = None
+        if self.args.prefix_cache_blocks:
+            self.events = CacheEvents(self.args.block_size)
+            self._cache = _PrefixCache(self.args.prefix_cache_blocks, self.events)
 
     async def load_model(self) -> ModelInfo:
         self.info = ModelInfo(
@@ -109,6 +160,9 @@ class SyntheticEngine(BaseEngine):
     def num_unfinished(self) -> int:
         return len(self._running)
 
+    def prefix_cache_stats(self) -> tuple[int, int] | None:
+        return (self._cache.queried, self._cache.hits) if self._cache else None
+
     def encode(self, request: GenerationRequest) -> list[int]:
         if request.prompt_token_ids is not None:
             return request.prompt_token_ids
@@ -121,10 +175,16 @@ class SyntheticEngine(BaseEngine):
         stream = RequestStream(request.request_id)
         seed = request.sampling.seed if request.sampling.seed is not None else zlib.crc32(
             bytes(str(request.prompt_token_ids), "ascii"))
-        delay = (len(request.prompt_token_ids) / self.args.prefill_tokens_per_s
-                 if self.args.prefill_tokens_per_s else 0.0)
+        ids = request.prompt_token_ids
+        uncached = len(ids) - (self._cache.take(ids) if self._cache else 0)
+        start = asyncio.get_running_loop().time()
+        delay = uncached / self.args.prefill_tokens_per_s if self.args.prefill_tokens_per_s else 0.0
+        if self._lanes:
+            lane = min(range(len(self._lanes)), key=self._lanes.__getitem__)
+            start = self._lanes[lane] = max(start, self._lanes[lane])
+            self._lanes[lane] += delay
         self._running[id(stream)] = _Sequence(
-            request, stream, base=seed, ready_at=asyncio.get_running_loop().time() + delay,
+            request, stream, base=seed, ready_at=start + delay,
             stops=StopStrings(request.sampling.stop) if request.sampling.stop else None,
             stop_ids=frozenset(request.sampling.stop_token_ids))
         self._wakeup.set()
