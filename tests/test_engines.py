@@ -180,6 +180,39 @@ def test_info_names_the_embedded_model(served):
         assert hits and float(hits[0].split()[1]) > 0
 
 
+def test_the_prefix_cache_is_published_under_the_contract_s_names(served):
+    """native and vllm publish their prefix caches (vllm: its own KV events, named again) under one
+    naming, so a router's names for a prompt match whichever engine holds it; transformers has none."""
+    from tests.test_cache_events import chain
+
+    stub, control, _ = served
+    info = control.GetInfo(pb.GetInfoRequest())
+    if not info.capabilities.cache_events:
+        assert info.engine == "transformers"
+        with pytest.raises(grpc.RpcError) as error:
+            next(control.CacheEvents(pb.CacheEventsRequest(), timeout=5))
+        assert error.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        return
+    ids = [(13 * i) % 4000 + 300 for i in range(300)]
+    events = control.CacheEvents(pb.CacheEventsRequest(), timeout=60)
+    block_size = next(events).block_size
+    names = chain(ids, block_size)[:(len(ids) - 1) // block_size]
+    assert list(control.PrefixHashes(pb.PredictRequest(token_ids=pb.TokenIds(ids=ids))).hashes) == names
+    before = control.GetLoad(pb.GetLoadRequest())
+    request = pb.PredictRequest(token_ids=pb.TokenIds(ids=ids), sampling=pb.SamplingParams(max_tokens=2))
+    list(stub.StreamPredict(request, timeout=60))
+    stored: dict[bytes, bytes] = {}
+    for batch in events:  # ends the test with DEADLINE_EXCEEDED if the blocks never come
+        stored.update((block.hash, block.parent_hash) for block in batch.stored)
+        if set(names) <= set(stored):
+            break
+    events.cancel()
+    assert [stored[name] for name in names] == [b"", *names[:-1]]  # each chained to its parent
+    list(stub.StreamPredict(request, timeout=60))
+    after = control.GetLoad(pb.GetLoadRequest())
+    assert after.prefix_hit_tokens - before.prefix_hit_tokens >= len(names) * block_size
+
+
 def test_openai_sdk_through_the_sidecar_answers_paris(served, sidecar):
     import openai
 

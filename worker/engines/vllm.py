@@ -1,7 +1,9 @@
 """vllm engine: vLLM's v1 AsyncLLM, streaming DELTA outputs; the KV budget is its blocks x block size.
 
 Prompts are tokenized here with the model's own tokenizer (so admission counts the same tokens the
-engine sees) and handed to vLLM as token ids.
+engine sees) and handed to vLLM as token ids. vLLM's KV-cache events (its ZMQ publisher, on an ipc
+socket of this worker's) are followed and re-published as ours (vllm_events.py), unless the engine
+arguments set kv_events_config themselves.
 """
 
 from __future__ import annotations
@@ -11,11 +13,15 @@ import dataclasses
 import itertools
 import json
 import os
+import shutil
+import tempfile
 import time
 from typing import Any
 
 from worker.config import ConfigError
+from worker.engines import vllm_events
 from worker.engines.base import BaseEngine, ModelInfo, RequestStream
+from worker.engines.cache_events import CacheEvents
 from worker.engines.logprobs import from_ranked
 from worker.engines.prompt import encode_prompt
 from worker.errors import DeviceOutOfMemory, EngineDead, EngineRequestError, InvalidRequest
@@ -47,9 +53,13 @@ class VLLMEngine(BaseEngine):
         self._budget = 0
         self._ids = itertools.count()
         self._requests: dict[int, tuple[str, asyncio.Task]] = {}
+        # vLLM's event publisher binds here; None when the arguments configure the events.
+        self._events_dir = None if "kv_events_config" in config.engine.args else tempfile.mkdtemp(prefix="cyllm-kv-")
+        self._events_task: asyncio.Task | None = None
+        self._prefix_stats = [0, 0]  # prompt tokens looked up in vLLM's prefix cache, and found (its step stats)
 
     def _engine_args(self, folder: str) -> Any:
-        from vllm.config import StructuredOutputsConfig
+        from vllm.config import KVEventsConfig, StructuredOutputsConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
 
         engine = self.config.engine
@@ -66,6 +76,10 @@ class VLLMEngine(BaseEngine):
         }
         if engine.max_model_len:
             defaults["max_model_len"] = engine.max_model_len
+        if self._events_dir:
+            defaults["kv_events_config"] = KVEventsConfig(
+                enable_kv_cache_events=True, publisher="zmq", endpoint=f"ipc://{self._events_dir}/events",
+                replay_endpoint=f"ipc://{self._events_dir}/replay")
         if on_cpu:
             # One process, no graph capture: ready in seconds on a CPU host.
             defaults.update(enforce_eager=True, distributed_executor_backend="uni",
@@ -93,6 +107,10 @@ class VLLMEngine(BaseEngine):
         # The same compiler vLLM's default backend runs: a malformed constraint is refused before admission.
         await asyncio.to_thread(self._load_grammars, model.get_vocab_size(), frozenset({self.tokenizer.eos_token_id} - {None}))
         self._budget = int(cache.num_gpu_blocks) * int(cache.block_size)
+        if self._events_dir:
+            self.events = CacheEvents(int(cache.block_size))
+            self._events_task = asyncio.create_task(vllm_events.follow(
+                f"ipc://{self._events_dir}/events", f"ipc://{self._events_dir}/replay", self.events), name="vllm-kv-events")
         self.info = ModelInfo(
             served_name=engine_args.served_model_name if isinstance(engine_args.served_model_name, str)
             else engine_args.served_model_name[0],
@@ -107,12 +125,19 @@ class VLLMEngine(BaseEngine):
     async def unload_model(self) -> None:
         for _key, task in list(self._requests.values()):
             task.cancel()
+        if self._events_task is not None:
+            self._events_task.cancel()
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
+        if self._events_dir:
+            shutil.rmtree(self._events_dir, ignore_errors=True)
 
     def kv_budget_tokens(self) -> int:
         return self._budget
+
+    def prefix_cache_stats(self) -> tuple[int, int] | None:
+        return (self._prefix_stats[0], self._prefix_stats[1]) if self.engine is not None else None
 
     def num_unfinished(self) -> int:
         if self.engine is None:
@@ -196,10 +221,10 @@ class VLLMEngine(BaseEngine):
 
 
 def _step_clock(engine: VLLMEngine) -> Any:
-    """A vLLM stat logger that only keeps the time of the engine's last step: vLLM calls record()
-    once per step, prefill chunks included (it sends the scheduler's stats even for a step with no
-    output), which is what the progress watchdog needs while a long prompt produces nothing. vLLM's
-    own loggers stay off."""
+    """A vLLM stat logger that only keeps the time of the engine's last step and sums its prefix
+    cache's lookups: vLLM calls record() once per step, prefill chunks included (it sends the
+    scheduler's stats even for a step with no output), which is what the progress watchdog needs
+    while a long prompt produces nothing. vLLM's own loggers stay off."""
     from vllm.v1.metrics.loggers import StatLoggerBase
 
     class StepClock(StatLoggerBase):
@@ -208,6 +233,9 @@ def _step_clock(engine: VLLMEngine) -> Any:
 
         def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0):
             engine.last_step_at = time.monotonic()
+            if scheduler_stats is not None and (prefix := scheduler_stats.prefix_cache_stats) is not None:
+                engine._prefix_stats[0] += prefix.queries
+                engine._prefix_stats[1] += prefix.hits
 
         def log_engine_initialized(self) -> None:
             pass
