@@ -94,6 +94,75 @@ async def test_the_native_engine_publishes_its_cache_and_evictions(embedded_mode
         await engine.unload_model()
 
 
+async def test_the_synthetic_engine_s_cache_saves_prefill_and_evicts_tails_first():
+    from worker.config import load_config
+    from worker.engines.synthetic import SyntheticEngine
+    from worker.request import GenerationRequest, SamplingParams
+
+    config = load_config(None, {"HOME": "/tmp"}, {
+        "engine.name": "synthetic", "engine.args.block_size": "4", "engine.args.prefix_cache_blocks": "6",
+        "engine.args.prefill_tokens_per_s": "100", "engine.args.prefill_lanes": "1"})
+    engine = SyntheticEngine(config)
+    await engine.load_model()
+    subscription = engine.events.subscribe()
+    loop = asyncio.get_running_loop()
+
+    async def first_token_after(ids: list[int]) -> float:
+        started = loop.time()
+        request = GenerationRequest(request_id="r", prompt_token_ids=ids, sampling=SamplingParams(max_tokens=1))
+        async for _ in engine.stream_predict(request):
+            pass
+        return loop.time() - started
+
+    try:
+        assert (await anext(subscription)).stored == []
+        prompt = list(range(100, 117))  # 17 tokens: 4 full blocks before the last token
+        cold = await first_token_after(prompt)
+        stored = (await anext(subscription)).stored
+        assert {h: p for h, p, _ in stored} == dict(zip(chain(prompt, 4), [b"", *chain(prompt, 4)[:-1]]))
+        assert engine.prefix_cache_stats() == (16, 0)
+        warm = await first_token_after(prompt + [5, 6, 7, 8])  # 16 of 21 tokens cached
+        assert engine.prefix_cache_stats() == (36, 16)
+        assert cold >= 0.16 and warm < 0.1, (cold, warm)  # 17 and 5 uncached tokens at 100/s
+        await anext(subscription)
+        # Six blocks hold: a new 3-block prompt evicts the 5-block chain's last two.
+        other = list(range(500, 513))
+        await first_token_after(other)
+        batch = await anext(subscription)
+        assert set(batch.removed) == set(chain(prompt + [5, 6, 7, 8], 4)[3:])
+        assert engine.prefix_cache_stats()[1] == 16
+        # Prefills wait for each other (one lane): two at once take twice as long as one.
+        started = loop.time()
+        await asyncio.gather(first_token_after(list(range(900, 910))), first_token_after(list(range(950, 960))))
+        assert loop.time() - started >= 0.2
+    finally:
+        await subscription.aclose()
+        await engine.unload_model()
+
+
+def test_vllm_s_events_are_named_again_from_their_tokens():
+    kv_events = pytest.importorskip("vllm.distributed.kv_events")
+    from worker.engines.vllm_events import VLLMEventNames
+
+    def stored(hashes, parent, tokens, lora_name=None):
+        return kv_events.BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=4,
+                                     lora_id=None, medium="GPU", lora_name=lora_name)
+
+    names = VLLMEventNames(4)
+    ids = list(range(20, 32))
+    ours = chain(ids, 4)
+    # Two batches of one chain (vLLM's own hashes are opaque: ints here), then a block with an unknown
+    # parent, one keyed by a LoRA and a partial block: none of those can be named.
+    first = names.changes([stored([101, 102], None, ids[:8])])
+    assert first == [("stored", ours[0], b"", ids[:4]), ("stored", ours[1], ours[0], ids[4:8])]
+    assert names.changes([stored([103], 102, ids[8:12])]) == [("stored", ours[2], ours[1], ids[8:12])]
+    assert names.changes([stored([200], 999, ids[:4]), stored([300], None, ids[:4], lora_name="a"),
+                          stored([400], None, ids[:3])]) == []
+    assert names.changes([kv_events.BlockRemoved(block_hashes=[103, 999], medium="GPU")]) == [("removed", ours[2])]
+    assert sorted(names.changes([kv_events.AllBlocksCleared()])) == sorted([("removed", ours[0]), ("removed", ours[1])])
+    assert names.changes([kv_events.BlockRemoved(block_hashes=[101], medium="GPU")]) == []
+
+
 def test_cache_events_over_grpc_and_after_a_restart(worker_process, embedded_model):
     worker = worker_process("--engine", "native", "--model", str(embedded_model))
     worker.wait_ready()
@@ -219,3 +288,44 @@ def test_cache_aware_routing_sends_a_shared_prefix_where_it_is_cached(worker_pro
     home.stop()
     assert wait_for(lambda: metric(front, "cyllm_sidecar_cache_events_live") == 1, timeout=10)
     assert ask("Who wrote Emma?", "after") == answers["q0"]  # the other worker, by load
+
+
+def test_an_evicted_prefix_stops_drawing_requests(worker_process, sidecar):
+    """Two synthetic workers with small prefix caches: a prompt goes where it is cached; once that
+    worker evicts it, the next copy is routed as a miss (to its home), and the one after follows it."""
+    from tests.test_observability import logged, wait_for
+    from tests.test_sidecar_faults import metric
+
+    cache = ("--engine", "synthetic", "--set", "engine.args.block_size=4", "--set", "engine.args.prefix_cache_blocks=10")
+    workers = [worker_process(*cache) for _ in range(2)]
+    for worker in workers:
+        worker.wait_ready()
+    front = sidecar([w.socket_path for w in workers], "--routing", "cache-aware")
+    front.wait_ready()
+    assert wait_for(lambda: metric(front, "cyllm_sidecar_cache_events_live") == 2, timeout=10)
+    prompt = " ".join(f"p{i}" for i in range(17))  # 4 cacheable blocks of 4 words
+
+    def direct(worker, text: str) -> None:
+        with grpc.insecure_channel(f"unix:{worker.socket_path}") as channel:
+            list(pb_grpc.InferenceServiceStub(channel).StreamPredict(
+                pb.PredictRequest(prompt=text, sampling=pb.SamplingParams(max_tokens=1)), timeout=10))
+
+    def routed(request_id: str) -> tuple[int, str]:
+        reply = httpx.post(f"{front.http}/v1/completions", json={"prompt": prompt, "max_tokens": 2},
+                           headers={"x-request-id": request_id}, timeout=10)
+        assert reply.status_code == 200, reply.text
+        assert wait_for(lambda: any(logged(w, request_id) for w in workers), timeout=5)
+        return next(i for i, w in enumerate(workers) if logged(w, request_id)), reply.json()["choices"][0]["text"]
+
+    def decisions(reason: str) -> float:
+        return metric(front, "cyllm_sidecar_routing_decisions_total", reason=reason)
+
+    direct(workers[0], prompt)
+    assert wait_for(lambda: metric(front, "cyllm_sidecar_prefix_index_blocks", worker="w0") >= 4, timeout=5)
+    assert metric(front, "cyllm_sidecar_prefix_index_blocks", worker="w0") < 10
+    assert routed("hit")[0] == 0 and decisions("cache_hit") == 1
+    direct(workers[0], " ".join(f"q{i}" for i in range(41)))  # 10 blocks: the whole cache, the prompt evicted
+    assert wait_for(lambda: metric(front, "cyllm_sidecar_prefix_index_blocks", worker="w0") == 10, timeout=5)
+    home, text = routed("after")
+    assert (decisions("cache_hit"), decisions("cache_miss")) == (1, 1)
+    assert routed("again") == (home, text) and decisions("cache_hit") == 2  # where it is cached now

@@ -66,6 +66,10 @@ pub struct Args {
     pub cache_balance_abs: u64,
     #[arg(long, env = "CYLLM_SIDECAR_CACHE_BALANCE_RATIO", default_value_t = 1.5)]
     pub cache_balance_ratio: f64,
+    /// cache-aware: prompt tokens to prefill that one more outstanding request is worth. A worker
+    /// holding more of the request is chosen while what it saves exceeds this times its extra load.
+    #[arg(long, env = "CYLLM_SIDECAR_CACHE_LOAD_TOKENS", default_value_t = 256)]
+    pub cache_load_tokens: u64,
     /// Prompt bytes hashed for prefix affinity.
     #[arg(long, env = "CYLLM_SIDECAR_PREFIX_BYTES", default_value_t = 256)]
     pub prefix_bytes: usize,
