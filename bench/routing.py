@@ -1,22 +1,31 @@
 """Routing policies on a multi-turn chat workload, in one run: least-outstanding, prefix-affinity
-and cache-aware, two native workers on the embedded model (one core each) behind one sidecar, and
-one worker alone as the reference for the prefix-cache hit rate (all the cache in one place).
+and cache-aware behind one sidecar, on two setups:
 
-The workload: --conversations chats of --turns turns, each opening with one of three shared
-system prompts of 500-1,000 tokens; each turn sends the whole history (every earlier answer
-included) and appends the model's answer. Questions and the choice of system prompt come from
---seed, so a run replays; the conversations run at once, each turn after the last.
+- native: two native workers on the embedded model (one core each);
+- synthetic: four synthetic workers that model a GPU's prefill (one prefill at a time, each
+  uncached prompt token costing 1 / --prefill-rate s) and a prefix cache of --cache-blocks
+  blocks each, least recently used evicted, publishing cache events like the native engine's.
+
+Each setup also runs one worker alone with all the setups' cache memory and compute (twice or four
+times the blocks, lanes and rate), the reference for the prefix-cache hit rate.
+
+The workload: chats of --turns turns, each opening with one of three shared system prompts of
+500-1,000 tokens; each turn sends the whole history (every earlier answer included), a user message
+of 40-120 words, and appends the answer. The chats start --stagger s apart and wait --think s
+between turns; questions, prompts and start times come from --seed, so a run replays.
 
 Per policy: prefix-cache hit rate (the workers' own counters), TTFT p50/p99 (first streamed
-token), output tokens/s, and requests per worker against the mean. Writes bench/results/routing.json
-and routing.png. Needs `cargo build --release` of sidecar/ and the embedded model.
+token), output tokens/s, requests per worker against the mean, and the sidecar's routing decisions
+by reason. Writes bench/results/routing.json and routing.png. Needs `cargo build --release` of
+sidecar/ and, for the native setup, the embedded model.
 
-    python bench/routing.py [--conversations 8] [--turns 4] [--seed 7]
+    python bench/routing.py [--setups native,synthetic] [--seed 7]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -25,6 +34,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -46,7 +56,7 @@ POLICIES = ("least-outstanding", "prefix-affinity", "cache-aware")
 
 def system_prompts(rng: random.Random) -> list[str]:
     """Three system prompts of about 500, 750 and 1,000 tokens (the embedded tokenizer gives about
-    one token a word here)."""
+    one token a word here, the synthetic engine one a word)."""
     prompts = []
     for words in (490, 740, 990):
         body = " ".join(rng.choice(WORDS) for _ in range(words))
@@ -54,54 +64,84 @@ def system_prompts(rng: random.Random) -> list[str]:
     return prompts
 
 
-def conversations(count: int, turns: int, seed: int) -> list[tuple[str, list[str]]]:
+@dataclass(frozen=True)
+class Chat:
+    start_s: float
+    system: str
+    questions: list[str]
+
+
+def conversations(count: int, turns: int, seed: int, stagger: float) -> list[Chat]:
     rng = random.Random(seed)
     systems = system_prompts(rng)
-    return [(rng.choice(systems), [f"Question {t + 1}: what links the {rng.choice(WORDS)} and the {rng.choice(WORDS)}?"
-                                   for t in range(turns)]) for _ in range(count)]
+
+    def question() -> str:
+        words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(40, 120)))
+        return f"Here are my notes: {words}. What links the {rng.choice(WORDS)} and the {rng.choice(WORDS)}?"
+
+    return [Chat(i * stagger * rng.uniform(0.5, 1.5), rng.choice(systems), [question() for _ in range(turns)])
+            for i in range(count)]
+
+
+@dataclass(frozen=True)
+class Setup:
+    name: str
+    workers: int
+    chats: int
+    turns: int
+    max_tokens: int
+    think_s: float
+    stagger_s: float
+
+    def worker_args(self, share: int, options) -> list[str]:
+        """One worker's `cy-llm serve` arguments; `share` workers' worth of cache and compute."""
+        if self.name == "native":
+            return ["--engine", "native", "--set", f"engine.args.cpu_threads={share}",
+                    "--set", "resources.max_concurrency=8"]
+        return ["--engine", "synthetic", "--set", f"engine.args.prefill_tokens_per_s={options.prefill_rate}",
+                "--set", f"engine.args.prefill_lanes={share}", "--set", f"engine.args.tokens_per_s={2000 * share}",
+                "--set", f"engine.args.prefix_cache_blocks={options.cache_blocks * share}",
+                "--set", "engine.args.block_size=16", "--set", "resources.max_concurrency=64"]
 
 
 class Stack:
-    def __init__(self, workers: int, policy: str, threads: int):
+    def __init__(self, worker_args: list[list[str]], policy: str, sidecar_args: list[str]):
         self.dir = tempfile.mkdtemp(prefix="cyllm-routing-", dir="/tmp")
         env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-        self.sockets = [f"{self.dir}/w{i}.sock" for i in range(workers)]
-        self.workers = [subprocess.Popen(cy_llm(
-            "serve", "--engine", "native", "--socket", socket, "--set", "server.log_level=warning",
-            "--set", f"engine.args.cpu_threads={threads}", "--set", "resources.max_concurrency=8"), cwd=REPO, env=env)
-            for socket in self.sockets]
+        self.sockets = [f"{self.dir}/w{i}.sock" for i in range(len(worker_args))]
+        self.workers = [subprocess.Popen(cy_llm("serve", *args, "--socket", socket, "--set", "server.log_level=warning"),
+                                         cwd=REPO, env=env) for socket, args in zip(self.sockets, worker_args)]
         for socket, proc in zip(self.sockets, self.workers):
             wait_ready(socket, proc)
         self.http, self.metrics = free_port(), free_port()
         self.sidecar = subprocess.Popen([
             str(sidecar_binary()), *(f"--worker=unix://{s}" for s in self.sockets), "--routing", policy,
             "--grpc-addr", f"127.0.0.1:{free_port()}", "--http-addr", f"127.0.0.1:{self.http}",
-            "--metrics-addr", f"127.0.0.1:{self.metrics}", "--log", "warn"])
+            "--metrics-addr", f"127.0.0.1:{self.metrics}", "--log", "warn", *sidecar_args])
         # Ready, and every worker's cache events followed (cache-aware routing needs them).
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not self.followed(workers):
+        while time.monotonic() < deadline and self.counters().get("cyllm_sidecar_cache_events_live", 0) < len(self.sockets):
             time.sleep(0.1)  # another process's state: polled
 
-    def followed(self, workers: int) -> bool:
+    def counters(self) -> dict[str, float]:
+        """Sums by metric name, and under name:label by worker (requests, prompt tokens, cache hits)
+        or by reason (routing decisions)."""
         try:
             text = httpx.get(f"http://127.0.0.1:{self.metrics}/metrics").text
         except httpx.HTTPError:
-            return False
-        live = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith("cyllm_sidecar_cache_events_live{"))
-        return live == workers
-
-    def counters(self) -> dict[str, float]:
-        text = httpx.get(f"http://127.0.0.1:{self.metrics}/metrics").text
+            return {}
         totals: dict[str, float] = {}
+        split = {"cyllm_sidecar_requests_total": "worker", "cyllm_sidecar_routing_decisions_total": "reason",
+                 "cyllm_prompt_tokens_total": "worker", "cyllm_prefix_cache_hits_tokens_total": "worker"}
         for line in text.splitlines():
-            for name in ("cyllm_prefix_cache_queries_tokens_total", "cyllm_prefix_cache_hits_tokens_total",
-                         "cyllm_sidecar_requests_total"):
-                if line.startswith(name + "{") or line.startswith(name + " "):
-                    key = name
-                    if name == "cyllm_sidecar_requests_total":
-                        key += ":" + line.split('worker="')[1].split('"')[0]
-                    totals[key] = totals.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name not in ("cyllm_prefix_cache_queries_tokens_total", "cyllm_sidecar_cache_events_live", *split):
+                continue
+            keys = [name]
+            if name in split and f'{split[name]}="' in line:
+                keys.append(name + ":" + line.split(f'{split[name]}="')[1].split('"')[0])
+            for key in keys:
+                totals[key] = totals.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
         return totals
 
     def stop(self) -> None:
@@ -110,17 +150,19 @@ class Stack:
             proc.wait(30)
 
 
-def run_workload(http: int, chats: list[tuple[str, list[str]]]) -> dict:
+def run_workload(http: int, chats: list[Chat], setup: Setup) -> dict:
     ttfts, tokens, lock = [], [0], threading.Lock()
+    started = time.perf_counter()
 
-    def chat(system: str, questions: list[str]) -> None:
-        messages = [{"role": "system", "content": system}]
+    def chat(one: Chat) -> None:
+        time.sleep(one.start_s)
+        messages = [{"role": "system", "content": one.system}]
         with httpx.Client(timeout=300) as client:
-            for question in questions:
+            for question in one.questions:
                 messages.append({"role": "user", "content": question})
-                body = {"messages": messages, "max_tokens": 16, "temperature": 0, "stream": True,
+                body = {"messages": messages, "max_tokens": setup.max_tokens, "temperature": 0, "stream": True,
                         "stream_options": {"include_usage": True}}
-                started, first, answer = time.perf_counter(), None, ""
+                sent, first, answer = time.perf_counter(), None, ""
                 with client.stream("POST", f"http://127.0.0.1:{http}/v1/chat/completions", json=body) as reply:
                     for line in reply.iter_lines():
                         if not line.startswith("data: {"):
@@ -133,11 +175,11 @@ def run_workload(http: int, chats: list[tuple[str, list[str]]]) -> dict:
                             with lock:
                                 tokens[0] += chunk["usage"]["completion_tokens"]
                 with lock:
-                    ttfts.append(((first or time.perf_counter()) - started) * 1000)
+                    ttfts.append(((first or time.perf_counter()) - sent) * 1000)
                 messages.append({"role": "assistant", "content": answer})
+                time.sleep(setup.think_s)
 
-    started = time.perf_counter()
-    threads = [threading.Thread(target=chat, args=c) for c in chats]
+    threads = [threading.Thread(target=chat, args=(c,)) for c in chats]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -147,24 +189,43 @@ def run_workload(http: int, chats: list[tuple[str, list[str]]]) -> dict:
             "output_tokens_per_s": tokens[0] / wall, "seconds": wall}
 
 
-def measure(workers: int, policy: str, threads: int, chats) -> dict:
-    stack = Stack(workers, policy, threads)
+def measure(setup: Setup, workers: int, policy: str, chats: list[Chat], options) -> dict:
+    share = setup.workers // workers
+    stack = Stack([setup.worker_args(share, options) for _ in range(workers)], policy, options.sidecar_args.split())
     try:
         before = stack.counters()
-        row = run_workload(stack.http, chats)
+        row = run_workload(stack.http, chats, setup)
         after = stack.counters()
     finally:
         stack.stop()
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     queried = delta.get("cyllm_prefix_cache_queries_tokens_total", 0.0)
     row["hit_rate"] = delta.get("cyllm_prefix_cache_hits_tokens_total", 0.0) / queried if queried else 0.0
-    per_worker = [v for k, v in delta.items() if k.startswith("cyllm_sidecar_requests_total:") and not k.endswith(":none")]
+    per_worker = [delta.get(f"cyllm_sidecar_requests_total:w{i}", 0.0) for i in range(workers)]
     row["requests_per_worker"] = per_worker
-    row["max_over_mean_load"] = max(per_worker) / (sum(per_worker) / len(per_worker)) if per_worker else 0.0
+    row["max_over_mean_load"] = max(per_worker) / (sum(per_worker) / len(per_worker)) if sum(per_worker) else 0.0
+    # Prefill work: prompt tokens not found in the worker's cache.
+    prefilled = [delta.get(f"cyllm_prompt_tokens_total:w{i}", 0.0) - delta.get(f"cyllm_prefix_cache_hits_tokens_total:w{i}", 0.0)
+                 for i in range(workers)]
+    row["prefill_tokens_per_worker"] = prefilled
+    row["max_over_mean_prefill"] = max(prefilled) / (sum(prefilled) / len(prefilled)) if sum(prefilled) else 0.0
+    row["decisions"] = {k.split(":", 1)[1]: v for k, v in delta.items()
+                        if k.startswith("cyllm_sidecar_routing_decisions_total:") and v}
     row["policy"], row["workers"] = policy, workers
-    print(f"{workers} worker(s) {policy:18s} hit rate {row['hit_rate']:.3f}  TTFT p50 {row['ttft_ms_p50']:7.0f} ms "
-          f"p99 {row['ttft_ms_p99']:7.0f} ms  {row['output_tokens_per_s']:6.1f} tok/s  requests {per_worker}", flush=True)
+    print(f"{setup.name:9s} {workers} worker(s) {policy:18s} hit rate {row['hit_rate']:.3f}  "
+          f"TTFT p50 {row['ttft_ms_p50']:7.0f} ms p99 {row['ttft_ms_p99']:7.0f} ms  "
+          f"{row['output_tokens_per_s']:6.1f} tok/s  requests {per_worker} prefilled {[int(t) for t in prefilled]} "
+          f"{row['decisions']}", flush=True)
     return row
+
+
+def summary(rows: list[dict]) -> dict:
+    by_policy = {r["policy"]: r for r in rows if r["workers"] > 1}
+    reference = next(r for r in rows if r["workers"] == 1)["hit_rate"]
+    aware = by_policy["cache-aware"]
+    return {"hit_rate_vs_one_worker": aware["hit_rate"] / reference if reference else None,
+            "ttft_p50_vs_least_outstanding": aware["ttft_ms_p50"] / by_policy["least-outstanding"]["ttft_ms_p50"],
+            "max_over_mean_load": aware["max_over_mean_load"], "max_over_mean_prefill": aware["max_over_mean_prefill"]}
 
 
 def plot(result: dict, path: Path) -> None:
@@ -173,43 +234,55 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = result["rows"]
-    labels = [r["policy"] if r["workers"] > 1 else "one worker\n(reference)" for r in rows]
-    fig, (hits, ttft) = plt.subplots(1, 2, figsize=(11, 4))
-    hits.bar(labels, [r["hit_rate"] for r in rows], color=["#888", "#a85", "#3a7", "#57a"][:len(rows)])
-    hits.set_ylabel("prefix-cache hit rate (tokens)")
-    hits.set_ylim(0, 1)
-    for offset, q in ((-0.2, 50), (0.2, 99)):
-        ttft.bar([i + offset for i in range(len(rows))], [r[f"ttft_ms_p{q}"] for r in rows], 0.38, label=f"p{q}")
-    ttft.set_xticks(range(len(rows)), labels)
-    ttft.set_ylabel("TTFT, ms")
-    ttft.legend()
-    fig.suptitle(f"{result['workload']['conversations']} chats x {result['workload']['turns']} turns, "
-                 f"2 native workers (1 core each); {result['machine']['cpu']}", fontsize=9)
+    setups = result["setups"]
+    fig, axes = plt.subplots(len(setups), 2, figsize=(11, 4 * len(setups)), squeeze=False)
+    for (hits, ttft), (name, one) in zip(axes, setups.items()):
+        rows = one["rows"]
+        labels = [r["policy"].replace("-", "-\n") if r["workers"] > 1 else "one worker\n(reference)" for r in rows]
+        hits.bar(labels, [r["hit_rate"] for r in rows], color=["#888", "#a85", "#3a7", "#57a"][:len(rows)])
+        hits.set_ylabel("prefix-cache hit rate (tokens)")
+        hits.set_ylim(0, 1)
+        hits.set_title(f"{name}: {one['setup']['workers']} workers, {one['setup']['chats']} chats x "
+                       f"{one['setup']['turns']} turns", fontsize=9)
+        shown = [r for r in rows if r["workers"] > 1]
+        for offset, q in ((-0.2, 50), (0.2, 99)):
+            ttft.bar([i + offset for i in range(len(shown))], [r[f"ttft_ms_p{q}"] for r in shown], 0.38, label=f"p{q}")
+        ttft.set_xticks(range(len(shown)), [r["policy"].replace("-", "-\n") for r in shown])
+        ttft.set_ylabel("TTFT, ms")
+        ttft.set_yscale("log")
+        ttft.legend()
+    fig.suptitle(result["machine"]["cpu"], fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
+SETUPS = {
+    "native": Setup("native", workers=2, chats=8, turns=4, max_tokens=16, think_s=0.5, stagger_s=1.0),
+    "synthetic": Setup("synthetic", workers=4, chats=96, turns=6, max_tokens=16, think_s=0.3, stagger_s=0.1),
+}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--conversations", type=int, default=8)
-    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--setups", default="native,synthetic", help="comma-separated: native, synthetic")
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated; least-outstanding and "
+                        "cache-aware are needed for the summary")
+    parser.add_argument("--chats", type=int, help="the setup's number of chats instead of its own")
+    parser.add_argument("--prefill-rate", type=float, default=8000.0,
+                        help="synthetic workers: uncached prompt tokens prefilled a second")
+    parser.add_argument("--cache-blocks", type=int, default=256, help="synthetic workers: prefix cache blocks of 16 tokens")
+    parser.add_argument("--sidecar-args", default="", help="more sidecar flags, e.g. '--cache-balance-abs 4'")
     options = parser.parse_args()
-    chats = conversations(options.conversations, options.turns, options.seed)
     result: dict = {"benchmark": "routing", "machine": machine("cpu"), "when": time.strftime("%Y-%m-%d %H:%M"),
-                    "workload": vars(options), "rows": []}
-    for policy in POLICIES:
-        result["rows"].append(measure(2, policy, 1, chats))
-    result["rows"].append(measure(1, "least-outstanding", 1, chats))
-    rows = {r["policy"]: r for r in result["rows"] if r["workers"] == 2}
-    reference = result["rows"][-1]["hit_rate"]
-    result["cache_aware"] = {
-        "hit_rate_vs_one_worker": rows["cache-aware"]["hit_rate"] / reference if reference else None,
-        "ttft_p50_vs_least_outstanding": rows["cache-aware"]["ttft_ms_p50"] / rows["least-outstanding"]["ttft_ms_p50"],
-        "max_over_mean_load": rows["cache-aware"]["max_over_mean_load"],
-    }
-    print(json.dumps(result["cache_aware"]))
+                    "options": vars(options), "setups": {}}
+    for name in options.setups.split(","):
+        setup = SETUPS[name] if options.chats is None else dataclasses.replace(SETUPS[name], chats=options.chats)
+        chats = conversations(setup.chats, setup.turns, options.seed, setup.stagger_s)
+        rows = [measure(setup, setup.workers, policy, chats, options) for policy in options.policies.split(",")]
+        rows.append(measure(setup, 1, "least-outstanding", chats, options))
+        result["setups"][name] = {"setup": vars(setup), "rows": rows, "cache_aware": summary(rows)}
+        print(name, json.dumps(result["setups"][name]["cache_aware"]), flush=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "routing.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(result, RESULTS / "routing.png")
