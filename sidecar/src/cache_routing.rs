@@ -3,11 +3,11 @@
 //! has outstanding. So a worker holding a long prefix is chosen over idle ones while what it saves
 //! outweighs its queue, and a hot prefix spills to another worker, which then holds it too. A
 //! worker holding at least --cache-min-match of the request's blocks but much busier than the least
-//! busy one is never chosen for its cache (then load decides). A request
-//! no worker holds enough of goes to its home: the worker its block at the --cache-min-match point
-//! hashes highest with (rendezvous), so requests that would hit each other's cache (a shared system
-//! prompt arriving cold at several at once) start on one worker instead of each filling its own,
-//! while requests sharing only a short head spread. The request's block names come from one worker
+//! busy one is never chosen for its cache (then load decides). A request no worker holds enough of
+//! goes to its home: the worker its block at the --cache-min-match point hashes highest with
+//! (rendezvous), so requests that would hit each other's cache (a shared system prompt arriving
+//! cold at several at once) start on one worker instead of each filling its own, while requests
+//! sharing only a short head spread. The request's block names come from one worker
 //! (WorkerControl.PrefixHashes: its own chat template and tokenizer, so they are the names its
 //! cache uses); what each worker holds, from the index (cache_index.rs).
 
