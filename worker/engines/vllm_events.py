@@ -83,11 +83,12 @@ async def follow(endpoint: str, replay_endpoint: str, events: CacheEvents) -> No
     try:
         while True:
             _, seq_bytes, payload = await sub.recv_multipart()
-            if int.from_bytes(seq_bytes, "big") > expected:
+            seq = int.from_bytes(seq_bytes, "big")
+            if seq > expected:
                 await _replay(context, replay_endpoint, expected, apply)
-                if int.from_bytes(seq_bytes, "big") > expected:
-                    log.warning("vLLM cache events lost", first=expected, resumed=int.from_bytes(seq_bytes, "big"))
-                    expected = int.from_bytes(seq_bytes, "big")
+                if seq > expected:
+                    log.warning("vLLM cache events lost", first=expected, resumed=seq)
+                    expected = seq
             apply(seq_bytes, payload)
     finally:
         sub.close(linger=0)
