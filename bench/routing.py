@@ -65,25 +65,6 @@ def system_prompts(rng: random.Random) -> list[str]:
 
 
 @dataclass(frozen=True)
-class Chat:
-    start_s: float
-    system: str
-    questions: list[str]
-
-
-def conversations(count: int, turns: int, seed: int, stagger: float) -> list[Chat]:
-    rng = random.Random(seed)
-    systems = system_prompts(rng)
-
-    def question() -> str:
-        words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(40, 120)))
-        return f"Here are my notes: {words}. What links the {rng.choice(WORDS)} and the {rng.choice(WORDS)}?"
-
-    return [Chat(i * stagger * rng.uniform(0.5, 1.5), rng.choice(systems), [question() for _ in range(turns)])
-            for i in range(count)]
-
-
-@dataclass(frozen=True)
 class Setup:
     name: str
     workers: int
@@ -92,16 +73,37 @@ class Setup:
     max_tokens: int
     think_s: float
     stagger_s: float
+    question_words: tuple[int, int]
 
     def worker_args(self, share: int, options) -> list[str]:
         """One worker's `cy-llm serve` arguments; `share` workers' worth of cache and compute."""
         if self.name == "native":
             return ["--engine", "native", "--set", f"engine.args.cpu_threads={share}",
+                    "--set", f"engine.args.max_kv_blocks={options.native_kv_blocks * share}",
                     "--set", "resources.max_concurrency=8"]
         return ["--engine", "synthetic", "--set", f"engine.args.prefill_tokens_per_s={options.prefill_rate}",
                 "--set", f"engine.args.prefill_lanes={share}", "--set", f"engine.args.tokens_per_s={2000 * share}",
                 "--set", f"engine.args.prefix_cache_blocks={options.cache_blocks * share}",
                 "--set", "engine.args.block_size=16", "--set", "resources.max_concurrency=64"]
+
+
+@dataclass(frozen=True)
+class Chat:
+    start_s: float
+    system: str
+    questions: list[str]
+
+
+def conversations(setup: Setup, seed: int) -> list[Chat]:
+    rng = random.Random(seed)
+    systems = system_prompts(rng)
+
+    def question() -> str:
+        words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(*setup.question_words)))
+        return f"Here are my notes: {words}. What links the {rng.choice(WORDS)} and the {rng.choice(WORDS)}?"
+
+    return [Chat(i * setup.stagger_s * rng.uniform(0.5, 1.5), rng.choice(systems),
+                 [question() for _ in range(setup.turns)]) for i in range(setup.chats)]
 
 
 class Stack:
@@ -257,8 +259,10 @@ def plot(result: dict, path: Path) -> None:
 
 
 SETUPS = {
-    "native": Setup("native", workers=2, chats=8, turns=4, max_tokens=16, think_s=0.5, stagger_s=1.0),
-    "synthetic": Setup("synthetic", workers=4, chats=96, turns=6, max_tokens=16, think_s=0.3, stagger_s=0.1),
+    "native": Setup("native", workers=2, chats=8, turns=5, max_tokens=16, think_s=0.5, stagger_s=1.0,
+                    question_words=(40, 120)),
+    "synthetic": Setup("synthetic", workers=4, chats=96, turns=6, max_tokens=16, think_s=0.3, stagger_s=0.1,
+                       question_words=(40, 120)),
 }
 
 
@@ -269,16 +273,19 @@ def main() -> int:
     parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated; least-outstanding and "
                         "cache-aware are needed for the summary")
     parser.add_argument("--chats", type=int, help="the setup's number of chats instead of its own")
+    parser.add_argument("--turns", type=int, help="the setup's turns per chat instead of its own")
     parser.add_argument("--prefill-rate", type=float, default=8000.0,
                         help="synthetic workers: uncached prompt tokens prefilled a second")
     parser.add_argument("--cache-blocks", type=int, default=256, help="synthetic workers: prefix cache blocks of 16 tokens")
+    parser.add_argument("--native-kv-blocks", type=int, default=320, help="native workers: KV cache blocks of 16 tokens")
     parser.add_argument("--sidecar-args", default="", help="more sidecar flags, e.g. '--cache-balance-abs 4'")
     options = parser.parse_args()
     result: dict = {"benchmark": "routing", "machine": machine("cpu"), "when": time.strftime("%Y-%m-%d %H:%M"),
                     "options": vars(options), "setups": {}}
     for name in options.setups.split(","):
-        setup = SETUPS[name] if options.chats is None else dataclasses.replace(SETUPS[name], chats=options.chats)
-        chats = conversations(setup.chats, setup.turns, options.seed, setup.stagger_s)
+        setup = dataclasses.replace(SETUPS[name], chats=options.chats or SETUPS[name].chats,
+                                    turns=options.turns or SETUPS[name].turns)
+        chats = conversations(setup, options.seed)
         rows = [measure(setup, setup.workers, policy, chats, options) for policy in options.policies.split(",")]
         rows.append(measure(setup, 1, "least-outstanding", chats, options))
         result["setups"][name] = {"setup": vars(setup), "rows": rows, "cache_aware": summary(rows)}

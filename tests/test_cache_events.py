@@ -163,6 +163,75 @@ def test_vllm_s_events_are_named_again_from_their_tokens():
     assert names.changes([kv_events.BlockRemoved(block_hashes=[101], medium="GPU")]) == []
 
 
+async def test_vllm_s_events_lost_or_broken_leave_no_stale_view(tmp_path):
+    """Followed over real ZMQ sockets in vLLM's wire format: batches lost beyond the replay start
+    the view over (a lost BlockRemoved must not leave a block in it), and a publisher that breaks
+    stops the events, so routers fall back to load."""
+    kv_events = pytest.importorskip("vllm.distributed.kv_events")
+    import msgspec
+    import zmq
+    import zmq.asyncio
+
+    from worker.engines.vllm_events import END_OF_REPLAY, follow
+    from worker.errors import NoCacheEvents
+
+    context = zmq.asyncio.Context()
+    pub, replay = context.socket(zmq.PUB), context.socket(zmq.ROUTER)
+    pub.bind(f"ipc://{tmp_path}/events")
+    replay.bind(f"ipc://{tmp_path}/replay")
+    sent: list[tuple[int, bytes]] = []  # what the replay socket can give again
+
+    async def serve_replays() -> None:
+        while True:
+            client, _, start = await replay.recv_multipart()
+            for seq, payload in sent:
+                if seq >= int.from_bytes(start, "big"):
+                    await replay.send_multipart((client, b"", b"", seq.to_bytes(8, "big"), payload))
+            await replay.send_multipart((client, b"", b"", END_OF_REPLAY, b""))
+
+    async def publish(seq: int, payload: bytes, lost: bool = False) -> None:
+        if not lost:
+            sent.append((seq, payload))
+            await pub.send_multipart((b"", seq.to_bytes(8, "big"), payload))
+
+    def batch(*events) -> bytes:
+        return msgspec.msgpack.encode(kv_events.KVEventBatch(ts=0.0, events=list(events)))
+
+    def stored(hashes, parent, tokens):
+        return kv_events.BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=4,
+                                     lora_id=None, medium="GPU", lora_name=None)
+
+    ours = chain(list(range(12)), 4)
+    events = CacheEvents(4)
+    tasks = [asyncio.create_task(serve_replays()),
+             asyncio.create_task(follow(f"ipc://{tmp_path}/events", f"ipc://{tmp_path}/replay", events))]
+    subscription = events.subscribe()
+    try:
+        assert (await anext(subscription)).stored == []
+        await publish(0, batch(stored([1, 2], None, list(range(8)))))
+        # A subscriber joins a PUB socket late: what it missed comes from the replay socket.
+        while events.sequence == 0:
+            await asyncio.sleep(0.05)
+            await publish(len(sent), batch())
+        assert [h for h, _, _ in (await anext(subscription)).stored] == ours[:2]
+        await publish(len(sent), batch(kv_events.BlockRemoved(block_hashes=[1, 2], medium="GPU")), lost=True)
+        await publish(len(sent) + 1, batch(stored([3], 2, list(range(8, 12)))))
+        started_over = await asyncio.wait_for(anext(subscription), 10)
+        assert started_over.stored == [] and sorted(started_over.removed) == sorted(ours[:2])  # the child of a lost parent is not named
+        await publish(len(sent) + 1, b"not msgpack")
+        with pytest.raises(NoCacheEvents):
+            await asyncio.wait_for(anext(subscription), 10)
+        with pytest.raises(NoCacheEvents):
+            await anext(events.subscribe())
+        assert events.stopped and tasks[1].done()
+    finally:
+        for task in tasks:
+            task.cancel()
+        pub.close(linger=0)
+        replay.close(linger=0)
+        context.term()
+
+
 def test_cache_events_over_grpc_and_after_a_restart(worker_process, embedded_model):
     worker = worker_process("--engine", "native", "--model", str(embedded_model))
     worker.wait_ready()
@@ -329,3 +398,43 @@ def test_an_evicted_prefix_stops_drawing_requests(worker_process, sidecar):
     home, text = routed("after")
     assert (decisions("cache_hit"), decisions("cache_miss")) == (1, 1)
     assert routed("again") == (home, text) and decisions("cache_hit") == 2  # where it is cached now
+
+
+def test_a_worker_whose_event_stream_dies_keeps_serving_by_load(worker_process, sidecar):
+    """A worker whose cache-event messages outgrow the sidecar's limit loses its stream for good:
+    the sidecar forgets its blocks, keeps asking now and then, and sends it its share by load."""
+    from tests.test_observability import logged, wait_for
+    from tests.test_sidecar_faults import metric
+
+    cache = ("--engine", "synthetic", "--set", "engine.args.block_size=4", "--set", "engine.args.prefix_cache_blocks=100",
+             "--set", "engine.args.tokens_per_s=40")
+    workers = [worker_process(*cache) for _ in range(2)]
+    for worker in workers:
+        worker.wait_ready()
+    front = sidecar([w.socket_path for w in workers], "--routing", "cache-aware", "--cache-event-max-bytes", "2048")
+    front.wait_ready()
+    assert wait_for(lambda: metric(front, "cyllm_sidecar_cache_events_live") == 2, timeout=10)
+    long_prompt = " ".join(f"w{i}" for i in range(200))  # 50 blocks: one batch of about 5 KB
+    with grpc.insecure_channel(f"unix:{workers[0].socket_path}") as channel:
+        list(pb_grpc.InferenceServiceStub(channel).StreamPredict(
+            pb.PredictRequest(prompt=long_prompt, sampling=pb.SamplingParams(max_tokens=1)), timeout=10))
+    # The batch, then every snapshot after it, is over the limit: w0's view is gone and stays gone.
+    assert wait_for(lambda: metric(front, "cyllm_sidecar_cache_event_resyncs_total", worker="w0", reason="too_large") >= 2,
+                    timeout=10), front.log()[-2000:]
+    assert metric(front, "cyllm_sidecar_cache_events_live", worker="w0") == 0
+    assert metric(front, "cyllm_sidecar_prefix_index_blocks", worker="w0") == 0
+    assert metric(front, "cyllm_sidecar_cache_events_live", worker="w1") == 1
+
+    def ask(index: int) -> None:
+        prompt = " ".join(f"q{index}x{i}" for i in range(12))  # 2 blocks, cached nowhere
+        reply = httpx.post(f"{front.http}/v1/completions", json={"prompt": prompt, "max_tokens": 20},
+                           headers={"x-request-id": f"r{index}"}, timeout=30)
+        assert reply.status_code == 200, reply.text
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    served = [sum(wait_for(lambda: logged(w, f"r{i}"), timeout=0.5) for i in range(8)) for w in workers]
+    assert sum(served) == 8 and min(served) >= 2, served  # both workers took their share

@@ -76,8 +76,8 @@ fn publish(worker: &str, view: &View) {
 }
 
 /// Follows a worker's cache events for as long as the process runs.
-pub async fn follow(worker: Arc<Worker>) {
-    let mut control = WorkerControlClient::new(worker.channel.clone());
+pub async fn follow(worker: Arc<Worker>, max_bytes: usize) {
+    let mut control = WorkerControlClient::new(worker.channel.clone()).max_decoding_message_size(max_bytes);
     let mut backoff = Duration::from_millis(250);
     loop {
         if !worker.is_ready() {
@@ -94,6 +94,11 @@ pub async fn follow(worker: Arc<Worker>) {
                 continue;
             }
             Err(status) if status.code() == tonic::Code::DataLoss => "gap",
+            Err(status) if status.code() == tonic::Code::OutOfRange => {
+                // Over --cache-event-max-bytes: an operator's limit, so it is said loudly.
+                tracing::warn!(worker = %worker.name, %status, "cache events too large; routed by load");
+                "too_large"
+            }
             Err(status) => {
                 tracing::debug!(worker = %worker.name, %status, "cache events stream ended");
                 "error"

@@ -70,6 +70,10 @@ pub struct Args {
     /// holding more of the request is chosen while what it saves exceeds this times its extra load.
     #[arg(long, env = "CYLLM_SIDECAR_CACHE_LOAD_TOKENS", default_value_t = 256)]
     pub cache_load_tokens: u64,
+    /// Largest CacheEvents message taken from a worker (a snapshot names every cached block, about
+    /// 120 bytes each); a worker whose messages are larger is routed by load.
+    #[arg(long, env = "CYLLM_SIDECAR_CACHE_EVENT_MAX_BYTES", default_value_t = 256 * 1024 * 1024)]
+    pub cache_event_max_bytes: usize,
     /// Prompt bytes hashed for prefix affinity.
     #[arg(long, env = "CYLLM_SIDECAR_PREFIX_BYTES", default_value_t = 256)]
     pub prefix_bytes: usize,

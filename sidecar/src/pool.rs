@@ -30,6 +30,7 @@ pub struct Watch {
     pub keepalive_timeout: Duration,
     pub load_poll: Duration,
     pub probe_timeout: Duration,
+    pub cache_event_max_bytes: usize,
 }
 
 impl Watch {
@@ -39,6 +40,7 @@ impl Watch {
             keepalive_timeout: Duration::from_secs_f64(args.worker_keepalive_timeout_s),
             load_poll: Duration::from_secs_f64(args.load_poll_s),
             probe_timeout: Duration::from_secs_f64(args.worker_probe_timeout_s),
+            cache_event_max_bytes: args.cache_event_max_bytes,
         }
     }
 
@@ -283,7 +285,7 @@ impl Pool {
         for worker in &self.workers {
             tokio::spawn(watch_health(worker.clone(), watch.clone()));
             tokio::spawn(poll_load(worker.clone(), watch.clone()));
-            tokio::spawn(cache_index::follow(worker.clone()));
+            tokio::spawn(cache_index::follow(worker.clone(), watch.cache_event_max_bytes));
         }
     }
 }

@@ -5,7 +5,9 @@ into one numbered batch, applied to a copy of the cache kept on the loop, and fa
 subscriber gets that copy first, as a snapshot numbered with the last batch it includes, so the
 snapshot and the batches after it join without a gap or an overlap, and no thread reads the
 engine's own tables. A subscriber that falls too far behind is ended (CacheSubscriberLagging) and
-subscribes again for a new snapshot.
+subscribes again for a new snapshot. An engine whose event source fails stops its events: each
+subscriber is ended and new ones are refused (NoCacheEvents), so routers fall back to load instead
+of trusting a view that no longer changes.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from array import array
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from worker.errors import CacheSubscriberLagging
+from worker.errors import CacheSubscriberLagging, NoCacheEvents
 
 # Batches one subscriber may have waiting before it is ended.
 MAX_PENDING = 4096
@@ -52,6 +54,7 @@ class CacheEvents:
         self.max_pending = max_pending
         self._blocks: dict[bytes, tuple[bytes, list[int]]] = {}  # hash -> (parent hash, token ids)
         self._subscribers: set[asyncio.Queue] = set()
+        self.stopped: str | None = None  # why the events stopped, once they have
 
     def publish(self, changes: list[tuple]) -> None:
         """Applies one step's ("stored", hash, parent, tokens) and ("removed", hash) changes, in
@@ -73,18 +76,28 @@ class CacheEvents:
         for queue in list(self._subscribers):
             if queue.qsize() >= self.max_pending:
                 self._subscribers.discard(queue)
-                queue.put_nowait(None)  # ends it: its view would miss what is dropped here
+                # Ends it: its view would miss what is dropped here.
+                queue.put_nowait(CacheSubscriberLagging(f"more than {self.max_pending} cache event batches "
+                                                        "behind; subscribe again for a new snapshot"))
             else:
                 queue.put_nowait(batch)
 
+    def stop(self, reason: str) -> None:
+        """The engine's event source failed: what it holds from now on is unknown."""
+        self.stopped = reason
+        for queue in self._subscribers:
+            queue.put_nowait(NoCacheEvents(f"cache events stopped: {reason}"))
+        self._subscribers.clear()
+
     async def subscribe(self) -> AsyncIterator[CacheBatch]:
+        if self.stopped:
+            raise NoCacheEvents(f"cache events stopped: {self.stopped}")
         queue: asyncio.Queue = asyncio.Queue()
         self._subscribers.add(queue)
         try:
             yield CacheBatch(self.sequence, True, [(h, p, t) for h, (p, t) in self._blocks.items()], [])
-            while (batch := await queue.get()) is not None:
+            while isinstance(batch := await queue.get(), CacheBatch):
                 yield batch
-            raise CacheSubscriberLagging(f"more than {self.max_pending} cache event batches behind; "
-                                         "subscribe again for a new snapshot")
+            raise batch
         finally:
             self._subscribers.discard(queue)

@@ -36,8 +36,13 @@ class VLLMEventNames:
             elif isinstance(event, BlockRemoved):
                 out += [("removed", ours) for h in event.block_hashes if (ours := self._ours.pop(h, None))]
             elif isinstance(event, AllBlocksCleared):
-                out += [("removed", ours) for ours in self._ours.values()]
-                self._ours.clear()
+                out += self.forget()
+        return out
+
+    def forget(self) -> list[tuple]:
+        """Every block named so far, as removed: after a lost batch, what is cached is unknown."""
+        out = [("removed", ours) for ours in self._ours.values()]
+        self._ours.clear()
         return out
 
     def _stored(self, event) -> list[tuple]:
@@ -57,8 +62,9 @@ class VLLMEventNames:
 
 
 async def follow(endpoint: str, replay_endpoint: str, events: CacheEvents) -> None:
-    """Subscribes to vLLM's publisher and feeds `events` until cancelled. Batches missed (a subscriber
-    joins a PUB socket some time after it connects) are asked for again from the replay socket."""
+    """Subscribes to vLLM's publisher and feeds `events` until cancelled or it fails (then `events`
+    stop). Batches missed (a subscriber joins a PUB socket some time after it connects) are asked
+    for again from the replay socket."""
     import msgspec
     import zmq
     import zmq.asyncio
@@ -77,19 +83,23 @@ async def follow(endpoint: str, replay_endpoint: str, events: CacheEvents) -> No
         seq = int.from_bytes(seq_bytes, "big")
         if seq < expected:
             return  # already had it (replayed and then published)
+        if seq > expected:
+            # Lost, the replay included: a lost BlockRemoved would leave a block in the view that
+            # the cache no longer holds, so the view starts over and names only what comes next.
+            log.warning("vLLM cache events lost", first=expected, resumed=seq)
+            events.publish(names.forget())
         events.publish(names.changes(decoder.decode(payload).events))
         expected = seq + 1
 
     try:
         while True:
             _, seq_bytes, payload = await sub.recv_multipart()
-            seq = int.from_bytes(seq_bytes, "big")
-            if seq > expected:
+            if int.from_bytes(seq_bytes, "big") > expected:
                 await _replay(context, replay_endpoint, expected, apply)
-                if seq > expected:
-                    log.warning("vLLM cache events lost", first=expected, resumed=seq)
-                    expected = seq
             apply(seq_bytes, payload)
+    except Exception as exc:  # noqa: BLE001 (any failure: the view can no longer follow the cache)
+        log.error("vLLM cache events failed; routed by load from now on", error=repr(exc))
+        events.stop(f"following vLLM's publisher failed: {exc!r}")
     finally:
         sub.close(linger=0)
         context.term()

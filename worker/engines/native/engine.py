@@ -41,7 +41,7 @@ GIB = 1 << 30
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ARGS = {"block_size": 16, "max_num_batched_tokens": 2048, "max_num_seqs": 64, "gpu_memory_utilization": 0.9,
         "kv_cache_dtype": "auto", "enable_prefix_caching": True, "enforce_eager": False, "cpu_threads": 0,
-        "overlap_output": "auto", "quantization": "none", "prefill_chunk_s": 0.25}
+        "overlap_output": "auto", "quantization": "none", "prefill_chunk_s": 0.25, "max_kv_blocks": 0}
 
 
 class NativeEngine(ThreadedEngine):
@@ -102,7 +102,7 @@ class NativeEngine(ThreadedEngine):
         c = self.model.config
         block_size = int(self.args["block_size"])
         bytes_per_block = c.num_layers * 2 * c.num_kv_heads * c.head_dim * dtype.itemsize * block_size
-        num_blocks = int(self._kv_memory() // bytes_per_block)
+        num_blocks = min(int(self._kv_memory() // bytes_per_block), int(self.args["max_kv_blocks"]) or 1 << 62)
         if num_blocks < 2:
             raise ConfigError("resources.memory_limit_gib", "too little memory for the KV cache")
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching=bool(self.args["enable_prefix_caching"]))
