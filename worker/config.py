@@ -194,6 +194,37 @@ class AdaptersConfig:
             raise ConfigError("adapters.kb_dir", "must be set")
 
 
+@dataclass
+class TenantsConfig:
+    key: str = "x-gateway-inference-fairness-id"
+    """PredictRequest.metadata key naming the tenant (the sidecar puts the gateway's fairness
+    header, or the API key's name, there); `default` when absent."""
+    policy: str = "vtc"
+    """vtc: the waiting request of the least served tenant goes first (fairness.py); fcfs: arrival order."""
+    prompt_weight: float = 1.0
+    output_weight: float = 2.0
+    """What a prompt and a generated token add to a tenant's service (VTC's w_p and w_q)."""
+    named: dict[str, Any] = field(default_factory=dict)
+    """name (or `default`, for all others) -> {weight: 1.0, max_concurrency: 0 (no cap), max_budget_share: 1.0}."""
+    metric_tenants: int = 20
+    """Tenants labelled by name in metrics besides the named ones (first seen); the rest are `other`."""
+
+    def validate(self) -> None:
+        from worker.fairness import POLICIES, parse_limits
+
+        if not self.key:
+            raise ConfigError("tenants.key", "must be set")
+        if self.policy not in POLICIES:
+            raise ConfigError("tenants.policy", f"one of {', '.join(POLICIES)}")
+        for key in ("prompt_weight", "output_weight", "metric_tenants"):
+            _check_range(f"tenants.{key}", getattr(self, key), 0, 1e6)
+        for name, spec in self.named.items():
+            try:
+                parse_limits(f"tenants.named.{name}", spec)
+            except ValueError as exc:
+                raise ConfigError(*str(exc).split(": ", 1)) from None
+
+
 SAMPLERS = ("parentbased_traceidratio", "traceidratio", "parentbased_always_on", "always_on",
             "parentbased_always_off", "always_off")
 
@@ -228,12 +259,13 @@ class Config:
     models: ModelsConfig = field(default_factory=ModelsConfig)
     adapters: AdaptersConfig = field(default_factory=AdaptersConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)
+    tenants: TenantsConfig = field(default_factory=TenantsConfig)
     explicit_keys: frozenset[str] = frozenset()
     """Dotted keys set by the YAML file, the environment or flags (not defaults)."""
 
     def validate(self) -> Config:
         for section in (self.server, self.engine, self.sampling, self.resources, self.models, self.adapters,
-                        self.tracing):
+                        self.tracing, self.tenants):
             section.validate()
         return self
 
@@ -326,7 +358,7 @@ def _assign(values: dict[str, dict[str, Any]], dotted: str, value: Any, explicit
         explicit.add(dotted)
     if section not in values:
         raise ConfigError(dotted, f"unknown section; expected one of {', '.join(SECTIONS)}")
-    nested = {"engine": "args.", "adapters": "named."}.get(section)
+    nested = {"engine": "args.", "adapters": "named.", "tenants": "named."}.get(section)
     if nested and key.startswith(nested):
         # From flags and the environment values come as text: read them as a YAML file would.
         if isinstance(value, str):

@@ -34,7 +34,7 @@ class QueueTimeout(WorkerError):
 
 
 class OverBudget(WorkerError):
-    """The request alone needs more KV budget than the worker has in total."""
+    """The request alone needs more KV budget than the worker (or its tenant's share) holds in total."""
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
     reason = "over_budget"

@@ -97,11 +97,13 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             request = await self._prepare(message)
             span.prepared(request)
             prompt_tokens = len(request.prompt_token_ids)
-            grant = await self.scheduler.admit(
-                prompt_tokens + max(1, request.sampling.max_tokens), request.priority, deadline)
+            tenant = self.scheduler.fairness.tenant_of(request.metadata)
+            grant = await self.scheduler.admit(prompt_tokens + max(1, request.sampling.max_tokens), request.priority,
+                                               deadline, tenant, prompt_tokens)
             span.admitted(grant)
             self.last_progress = time.monotonic()
             self.metrics.queue_time.observe(grant.queued_s)
+            self.metrics.tenant_queue_time.labels(self.scheduler.fairness.label(tenant)).observe(grant.queued_s)
             self.metrics.prompt_tokens.inc(prompt_tokens)
             stream = self.engine.stream_predict(request if request.sampling.max_tokens else dataclasses.replace(
                 request, sampling=dataclasses.replace(request.sampling, max_tokens=1)))
@@ -120,6 +122,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                     output = adapter.process_output(output)
                 self.last_progress = time.monotonic()
                 completion_tokens += len(output.token_ids)
+                self.scheduler.served(grant, len(output.token_ids))
                 if first_token_at is None and output.token_ids:
                     first_token_at = time.perf_counter()
                     span.first_token()

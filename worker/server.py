@@ -17,6 +17,7 @@ from worker.config import Config
 from worker.engines.base import BaseEngine
 from worker.engines.cache_events import prompt_hashes
 from worker.errors import Draining, EngineDead, NoCacheEvents, NotReady, WorkerError, status_for
+from worker.fairness import Fairness
 from worker.gen.cyllm.inference.v1 import inference_pb2 as pb
 from worker.gen.cyllm.inference.v1 import inference_pb2_grpc as pb_grpc
 from worker.inference import InferenceServicer
@@ -113,7 +114,7 @@ class Worker:
         resources = config.resources
         self.scheduler = TaskScheduler(
             max_concurrency=resources.max_concurrency, max_queue=resources.max_queue,
-            queue_timeout_s=resources.queue_timeout_s, budget_tokens=0)
+            queue_timeout_s=resources.queue_timeout_s, budget_tokens=0, fairness=Fairness.from_config(config.tenants))
         self.metrics.watch(self.scheduler, self.engine)
         self.inference = InferenceServicer(self.engine, self.scheduler, self.metrics, config)
         self.inference.on_repeated_faults = lambda: self.request_shutdown(0.0, exit_code=1)

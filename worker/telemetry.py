@@ -33,6 +33,8 @@ class Metrics:
                               buckets=PER_TOKEN_BUCKETS, registry=r)
         self.prompt_tokens = Counter("cyllm_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter("cyllm_generation_tokens", "Tokens generated", registry=r)
+        self.tenant_queue_time = Histogram("cyllm_tenant_queue_time_seconds", "Time from arrival to admission, by tenant",
+                                           ["tenant"], buckets=LATENCY_BUCKETS, registry=r)
         self.spans_exported = Counter("cyllm_spans_exported", "Trace spans sent to the OTLP collector", registry=r)
         self.spans_dropped = Counter("cyllm_spans_dropped", "Trace spans that never reached the collector, by reason",
                                      ["reason"], registry=r)
@@ -71,6 +73,7 @@ class _SchedulerCollector:
         for reason, count in sorted(self.scheduler.rejections.items()):
             rejections.add_metric([reason], count)
         yield rejections
+        yield from self._tenants()
         memory = GaugeMetricFamily("cyllm_device_memory_used_bytes", "Memory in use per device",
                                    labels=["device"])
         for device, used in self.engine.get_memory_usage().items():
@@ -81,6 +84,37 @@ class _SchedulerCollector:
                                       value=prefix[0])
             yield CounterMetricFamily("cyllm_prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache",
                                       value=prefix[1])
+
+    def _tenants(self) -> Iterable:
+        """Per tenant (label: its name, or `other` past fairness.metric_tenants): what it was
+        admitted, refused and served, what it waits with and runs, and its VTC counter."""
+        fairness, scheduler = self.scheduler.fairness, self.scheduler
+        families = {
+            "admitted": CounterMetricFamily("cyllm_tenant_admitted", "Requests admitted, by tenant", labels=["tenant"]),
+            "rejected": CounterMetricFamily("cyllm_tenant_rejections", "Requests refused admission, by tenant and reason",
+                                            labels=["tenant", "reason"]),
+            "tokens": CounterMetricFamily("cyllm_tenant_tokens", "Tokens served, by tenant and kind (prompt, generated)",
+                                          labels=["tenant", "kind"]),
+            "queued": GaugeMetricFamily("cyllm_tenant_queued_requests", "Requests waiting, by tenant", labels=["tenant"]),
+            "running": GaugeMetricFamily("cyllm_tenant_running_requests", "Requests running, by tenant", labels=["tenant"]),
+            "service": GaugeMetricFamily("cyllm_tenant_virtual_tokens", "The fairness policy's counter of service "
+                                         "received (weighted tokens / weight), by tenant", labels=["tenant"]),
+        }
+        for label, stats in sorted(fairness.stats.items()):
+            families["admitted"].add_metric([label], stats.admitted)
+            for reason, count in sorted(stats.rejections.items()):
+                families["rejected"].add_metric([label, reason], count)
+            families["tokens"].add_metric([label, "prompt"], stats.prompt_tokens)
+            families["tokens"].add_metric([label, "generated"], stats.generated_tokens)
+        for family, counts in (("queued", scheduler.queued_by_tenant()), ("running", scheduler.tenant_running),
+                               ("service", fairness.counters)):
+            by_label: dict[str, float] = {}
+            for tenant, value in counts.items():
+                label = fairness.label(tenant)
+                by_label[label] = max(by_label.get(label, 0), value) if family == "service" else by_label.get(label, 0) + value
+            for label, value in sorted(by_label.items()):
+                families[family].add_metric([label], value)
+        yield from families.values()
 
 
 def configure_logging(level: str = "info") -> None:

@@ -19,6 +19,10 @@ pub struct InferenceProxy {
     pub gateway: Arc<Gateway>,
 }
 
+/// The Gateway API Inference Extension's fairness key: forwarded to the worker in
+/// PredictRequest.metadata under the same name, where its TaskScheduler reads the tenant.
+pub const FAIRNESS_HEADER: &str = "x-gateway-inference-fairness-id";
+
 type ResponseStream = Pin<Box<dyn Stream<Item = Result<PredictResponse, Status>> + Send>>;
 
 #[tonic::async_trait]
@@ -29,8 +33,12 @@ impl InferenceService for InferenceProxy {
         let timeout = grpc_timeout(request.metadata());
         let id = request_id::of_grpc(&request.get_ref().request_id, request.metadata()).map_err(Status::from)?;
         let span = trace::request_span(Route::Grpc, &id, trace::parent_of_grpc(request.metadata()));
+        let fairness = request.metadata().get(FAIRNESS_HEADER).and_then(|v| v.to_str().ok()).map(str::to_owned);
         let mut forwarded = request.into_inner();
         forwarded.request_id = id.clone();
+        if let Some(tenant) = fairness.filter(|t| !t.is_empty()) {
+            forwarded.metadata.entry(FAIRNESS_HEADER.to_owned()).or_insert(tenant);  // the body's own wins
+        }
         trace::record_request(&span, &forwarded, 1);
         let mut upstream = self.gateway.open(forwarded, timeout, Route::Grpc, &span).await?;
         // Dropped when the client leaves: that drops `upstream`, which cancels the worker's call.

@@ -21,6 +21,7 @@ use serde_json::{json, Value};
 use crate::auth::ApiKeys;
 use crate::error::{openai_error_body, SidecarError};
 use crate::gateway::{code_name, record_end, Gateway, Route};
+use crate::grpc::FAIRNESS_HEADER;
 use crate::openai::{ChatRequest, CompletionRequest};
 use crate::proto::{PredictRequest, PredictResponse};
 use crate::reply::{usage, Reply, Shape};
@@ -151,7 +152,7 @@ async fn completions(State(state): State<Arc<HttpState>>, headers: HeaderMap, bo
     };
     let (stream, include_usage, n) = (request.sampling.stream, request.sampling.include_usage(), request.sampling.choices());
     let logprobs = request.sampling.logprobs.as_ref().is_some_and(|v| v.is_number());
-    match request.into_proto(&id).and_then(|(proto, echo)| Ok((with_adapter(proto, &headers)?, echo))) {
+    match request.into_proto(&id).and_then(|(proto, echo)| Ok((with_headers(proto, &headers)?, echo))) {
         Ok((proto, echo)) => {
             let shape = Shape { route: Route::Completions, tools: None, logprobs, echo };
             respond(state, proto, shape, id, Options { streaming: stream, include_usage, n }, span).await
@@ -168,7 +169,7 @@ async fn chat_completions(State(state): State<Arc<HttpState>>, headers: HeaderMa
         Err(error) => return refuse(Route::ChatCompletions, &id, error, &span),
     };
     let (stream, include_usage, n) = (request.sampling.stream, request.sampling.include_usage(), request.sampling.choices());
-    match request.into_proto(&id).and_then(|(proto, plan)| Ok((with_adapter(proto, &headers)?, plan))) {
+    match request.into_proto(&id).and_then(|(proto, plan)| Ok((with_headers(proto, &headers)?, plan))) {
         Ok((proto, plan)) => {
             let logprobs = proto.logprobs.is_some();
             let tools = (plan.mode != crate::tools::Mode::None).then_some(plan);
@@ -179,12 +180,19 @@ async fn chat_completions(State(state): State<Arc<HttpState>>, headers: HeaderMa
     }
 }
 
-/// The worker's prompt adapter, which the OpenAI body has no field for: the `x-cyllm-adapter`
-/// header (the openai SDK's `extra_headers`).
-fn with_adapter(mut proto: PredictRequest, headers: &HeaderMap) -> Result<PredictRequest, SidecarError> {
-    if let Some(value) = headers.get("x-cyllm-adapter") {
-        let name = value.to_str().map_err(|_| SidecarError::InvalidRequest("x-cyllm-adapter: not ASCII".into()))?;
-        proto.adapter = name.trim().to_owned();
+/// What the OpenAI body has no field for, from headers (the openai SDK's `extra_headers`): the
+/// worker's prompt adapter (`x-cyllm-adapter`) and the tenant the worker shares its slots by (the
+/// Gateway API Inference Extension's fairness header, into the metadata under the same name).
+fn with_headers(mut proto: PredictRequest, headers: &HeaderMap) -> Result<PredictRequest, SidecarError> {
+    let text = |name: &str| -> Result<Option<String>, SidecarError> {
+        headers.get(name).map(|v| v.to_str().map(|t| t.trim().to_owned()))
+            .transpose().map_err(|_| SidecarError::InvalidRequest(format!("{name}: not ASCII")))
+    };
+    if let Some(name) = text("x-cyllm-adapter")? {
+        proto.adapter = name;
+    }
+    if let Some(tenant) = text(FAIRNESS_HEADER)?.filter(|t| !t.is_empty()) {
+        proto.metadata.insert(FAIRNESS_HEADER.to_owned(), tenant);
     }
     Ok(proto)
 }
