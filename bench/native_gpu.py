@@ -31,7 +31,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from worker.config import load_config  # noqa: E402
+from worker.config_loader import load_config  # noqa: E402
 from worker.engines.native.engine import NativeEngine  # noqa: E402
 from worker.loadgen import percentile  # noqa: E402
 from worker.request import GenerationRequest, SamplingParams  # noqa: E402

@@ -92,7 +92,7 @@ def main() -> int:
 
 
 async def measure(folder: Path, options, batches: list[int]) -> tuple[list[dict], dict, str]:
-    from worker.config import load_config
+    from worker.config_loader import load_config
     from worker.engines.native.engine import NativeEngine
     from worker.request import ChatMessage, Constraint, GenerationRequest, SamplingParams
 

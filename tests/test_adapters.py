@@ -14,7 +14,8 @@ from tests.conftest import running_worker, synthetic_request
 from worker.adapters.base import AdapterError, AdapterInputError, build_adapters
 from worker.adapters.knowledge_base import KnowledgeBase, KnowledgeBaseError, build_index, split_passages
 from worker.cli import main as cli
-from worker.config import ConfigError, load_config
+from worker.config import ConfigError
+from worker.config_loader import load_config
 from worker.gen.cyllm.inference.v1 import inference_pb2 as pb
 from worker.request import ChatMessage, GenerationRequest, SamplingParams
 

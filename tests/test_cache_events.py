@@ -95,7 +95,7 @@ async def test_the_native_engine_publishes_its_cache_and_evictions(embedded_mode
 
 
 async def test_the_synthetic_engine_s_cache_saves_prefill_and_evicts_tails_first():
-    from worker.config import load_config
+    from worker.config_loader import load_config
     from worker.engines.synthetic import SyntheticEngine
     from worker.request import GenerationRequest, SamplingParams
 

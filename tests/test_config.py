@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from worker.config import ConfigError, load_config
+from worker.config import ConfigError
+from worker.config_loader import load_config
 
 REPO = Path(__file__).resolve().parent.parent
 ENV = {"HOME": "/home/u"}

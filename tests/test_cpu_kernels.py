@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 
-from worker.config import load_config
+from worker.config_loader import load_config
 from worker.engines.native import kernels
 from worker.engines.native.attention import decode_attention, gather_attention
 

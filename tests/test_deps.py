@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.config import load_config
+from worker.config_loader import load_config
 from worker.deps.environment import Lock, verify_environment
 from worker.deps.hardware import HardwareProfile, detect_hardware
 from worker.deps.install import pip_install_command, write_lock

@@ -8,7 +8,8 @@ from collections import Counter
 
 import pytest
 
-from worker.config import ConfigError, load_config
+from worker.config import ConfigError
+from worker.config_loader import load_config
 from worker.errors import InvalidRequest, OverBudget, QueueTimeout
 from worker.fairness import Fairness, TenantLimits
 from worker.scheduler import TaskScheduler

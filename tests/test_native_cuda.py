@@ -6,7 +6,7 @@ import asyncio
 import pytest
 import torch
 
-from worker.config import load_config
+from worker.config_loader import load_config
 from worker.engines.native.engine import NativeEngine
 from worker.request import GenerationRequest, SamplingParams
 

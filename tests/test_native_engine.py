@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from worker.config import load_config
+from worker.config_loader import load_config
 from worker.engines.native import kernels
 from worker.engines.native.engine import NativeEngine
 from worker.engines.native.model import Batch, load_model

@@ -1,6 +1,5 @@
 """The Rust sidecar in front of real Python workers: gRPC, the openai SDK, cancellation, failover, auth."""
 
-import asyncio
 import contextlib
 import json
 import shutil

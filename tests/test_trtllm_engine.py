@@ -84,7 +84,8 @@ async def test_eos_ends_with_stop(trtllm_double, embedded_model):
 
 
 def test_unknown_llm_arguments_are_a_config_error(trtllm_double, embedded_model):
-    from worker.config import ConfigError, load_config
+    from worker.config import ConfigError
+    from worker.config_loader import load_config
     from worker.engines.trtllm import TRTLLMEngine
 
     config = load_config(None, {"HOME": "/tmp"}, {**settings(embedded_model), "engine.args.warp_drive": "1"})

@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from worker.config import Config, ConfigError, load_config
+from worker.config import Config, ConfigError
+from worker.config_loader import load_config
 
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
 
