@@ -12,14 +12,14 @@ times the blocks, lanes and rate), the reference for the prefix-cache hit rate.
 The workload: chats of --turns turns, each opening with one of three shared system prompts of
 500-1,000 tokens; each turn sends the whole history (every earlier answer included), a user message
 of 40-120 words, and appends the answer. The chats start --stagger s apart and wait --think s
-between turns; questions, prompts and start times come from --seed, so a run replays.
+between turns; questions, prompts and start times come from each of --seeds, so a run replays.
 
 Per policy: prefix-cache hit rate (the workers' own counters), TTFT p50/p99 (first streamed
 token), output tokens/s, requests per worker against the mean, and the sidecar's routing decisions
 by reason. Writes bench/results/routing.json and routing.png. Needs `cargo build --release` of
 sidecar/ and, for the native setup, the embedded model.
 
-    python bench/routing.py [--setups native,synthetic] [--seed 7]
+    python bench/routing.py [--setups native,synthetic] [--seeds 7,8,9]
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import dataclasses
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -230,6 +231,15 @@ def summary(rows: list[dict]) -> dict:
             "max_over_mean_load": aware["max_over_mean_load"], "max_over_mean_prefill": aware["max_over_mean_prefill"]}
 
 
+def median_rows(runs: dict) -> list[dict]:
+    """Per policy, the median over seeds of each figure the plot shows."""
+    per_seed = [r["rows"] for r in runs.values()]
+    return [{"policy": rows[0]["policy"], "workers": rows[0]["workers"],
+             **{key: statistics.median(r[key] for r in rows)
+                for key in ("hit_rate", "ttft_ms_p50", "ttft_ms_p99", "output_tokens_per_s", "max_over_mean_load")}}
+            for rows in zip(*per_seed)]
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -245,7 +255,7 @@ def plot(result: dict, path: Path) -> None:
         hits.set_ylabel("prefix-cache hit rate (tokens)")
         hits.set_ylim(0, 1)
         hits.set_title(f"{name}: {one['setup']['workers']} workers, {one['setup']['chats']} chats x "
-                       f"{one['setup']['turns']} turns", fontsize=9)
+                       f"{one['setup']['turns']} turns, median of {len(one['seeds'])} seed(s)", fontsize=9)
         shown = [r for r in rows if r["workers"] > 1]
         for offset, q in ((-0.2, 50), (0.2, 99)):
             ttft.bar([i + offset for i in range(len(shown))], [r[f"ttft_ms_p{q}"] for r in shown], 0.38, label=f"p{q}")
@@ -269,7 +279,8 @@ SETUPS = {
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--setups", default="native,synthetic", help="comma-separated: native, synthetic")
-    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--seeds", default="7", help="comma-separated; each seed is a workload of its own, and the "
+                        "summary takes the median of the per-seed ratios")
     parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated; least-outstanding and "
                         "cache-aware are needed for the summary")
     parser.add_argument("--chats", type=int, help="the setup's number of chats instead of its own")
@@ -285,11 +296,17 @@ def main() -> int:
     for name in options.setups.split(","):
         setup = dataclasses.replace(SETUPS[name], chats=options.chats or SETUPS[name].chats,
                                     turns=options.turns or SETUPS[name].turns)
-        chats = conversations(setup, options.seed)
-        rows = [measure(setup, setup.workers, policy, chats, options) for policy in options.policies.split(",")]
-        rows.append(measure(setup, 1, "least-outstanding", chats, options))
-        result["setups"][name] = {"setup": vars(setup), "rows": rows, "cache_aware": summary(rows)}
-        print(name, json.dumps(result["setups"][name]["cache_aware"]), flush=True)
+        runs = {}
+        for seed in [int(s) for s in options.seeds.split(",")]:
+            chats = conversations(setup, seed)
+            rows = [measure(setup, setup.workers, policy, chats, options) for policy in options.policies.split(",")]
+            rows.append(measure(setup, 1, "least-outstanding", chats, options))
+            runs[seed] = {"rows": rows, "cache_aware": summary(rows)}
+            print(name, seed, json.dumps(runs[seed]["cache_aware"]), flush=True)
+        result["setups"][name] = {"setup": vars(setup), "seeds": runs, "rows": median_rows(runs),
+                                  "cache_aware": {key: statistics.median(r["cache_aware"][key] for r in runs.values())
+                                                  for key in next(iter(runs.values()))["cache_aware"]}}
+        print(name, "median", json.dumps(result["setups"][name]["cache_aware"]), flush=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "routing.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(result, RESULTS / "routing.png")
