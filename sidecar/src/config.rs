@@ -6,6 +6,8 @@ use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
 
+use crate::auth::Key;
+
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
 pub enum RoutingMode {
     /// Power of two random choices, the one with fewer outstanding requests wins.
@@ -52,9 +54,13 @@ pub struct Args {
     /// API keys (comma-separated). With none here or in --api-keys-file, auth is off.
     #[arg(long, env = "CYLLM_SIDECAR_API_KEYS", value_delimiter = ',', hide_env_values = true)]
     pub api_keys: Vec<String>,
-    /// File with one API key per line (# comments allowed).
+    /// File with one API key per line, `KEY` or `NAME KEY` (# comments allowed). A named key's
+    /// name is its caller's tenant and rate-limit bucket.
     #[arg(long, env = "CYLLM_SIDECAR_API_KEYS_FILE")]
     pub api_keys_file: Option<PathBuf>,
+    /// Requests a second and tokens a minute per caller (JSON; see README); reread when it changes.
+    #[arg(long, env = "CYLLM_SIDECAR_RATE_LIMITS_FILE")]
+    pub rate_limits_file: Option<PathBuf>,
     #[arg(long, env = "CYLLM_SIDECAR_ROUTING", value_enum, default_value = "least-outstanding")]
     pub routing: RoutingMode,
     /// cache-aware: the share of a request's cacheable blocks a worker must hold to be chosen for them.
@@ -192,14 +198,15 @@ impl Args {
         Ok(())
     }
 
-    /// Keys from the flag/env and the file, blank lines and comments dropped.
-    pub fn load_api_keys(&self) -> anyhow::Result<Vec<String>> {
-        let mut keys: Vec<String> = self.api_keys.iter().filter(|k| !k.is_empty()).cloned().collect();
+    /// Keys from the flag/env (unnamed) and the file, blank lines and comments dropped.
+    pub fn load_api_keys(&self) -> anyhow::Result<Vec<Key>> {
+        let mut keys: Vec<Key> =
+            self.api_keys.iter().filter(|k| !k.is_empty()).map(|k| Key { name: None, secret: k.clone() }).collect();
         if let Some(path) = &self.api_keys_file {
             let text = std::fs::read_to_string(path)
                 .map_err(|e| anyhow::anyhow!("cannot read --api-keys-file {}: {e}", path.display()))?;
             keys.extend(
-                text.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#')).map(String::from),
+                text.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#')).map(Key::parse),
             );
         }
         Ok(keys)

@@ -6,6 +6,8 @@ use axum::Json;
 use serde_json::json;
 use tonic::Code;
 
+use crate::ratelimit::Refusal;
+
 #[derive(Debug, thiserror::Error)]
 pub enum SidecarError {
     #[error("{0}")]
@@ -24,6 +26,9 @@ pub enum SidecarError {
     TooLarge(usize),
     #[error("request body not received within {0} s")]
     BodyTimeout(u64),
+    #[error("rate limit reached for {0:?}: {limit} (retry after {after} s)", limit = .1.limit,
+            after = .1.retry_after.as_secs_f64().ceil())]
+    RateLimited(String, Refusal),
     #[error("worker {0} stopped answering; no message for {1} s")]
     WorkerStalled(String, u64),
     /// A status the worker returned (or the transport to it), passed on as it is.
@@ -37,7 +42,7 @@ impl SidecarError {
             Self::InvalidRequest(_) => Code::InvalidArgument,
             Self::Unauthenticated => Code::Unauthenticated,
             Self::ModelNotFound(_) => Code::NotFound,
-            Self::Overloaded(_) | Self::TooLarge(_) => Code::ResourceExhausted,
+            Self::Overloaded(_) | Self::TooLarge(_) | Self::RateLimited(..) => Code::ResourceExhausted,
             Self::NoWorker(_) | Self::ShuttingDown | Self::WorkerStalled(..) => Code::Unavailable,
             Self::BodyTimeout(_) => Code::DeadlineExceeded,
             Self::Upstream(status) => upstream_code(status),
@@ -103,15 +108,62 @@ impl From<SidecarError> for tonic::Status {
     fn from(error: SidecarError) -> Self {
         match error {
             SidecarError::Upstream(status) => tonic::Status::new(upstream_code(&status), status.message()),
+            SidecarError::RateLimited(_, ref refusal) => {
+                let mut metadata = tonic::metadata::MetadataMap::new();
+                for (name, value) in rate_limit_headers(refusal) {
+                    if let Ok(value) = value.parse() {
+                        metadata.insert(name, value);
+                    }
+                }
+                tonic::Status::with_metadata(error.code(), error.to_string(), metadata)
+            }
             other => tonic::Status::new(other.code(), other.to_string()),
         }
+    }
+}
+
+/// Retry-After in whole seconds (at least one), then OpenAI's x-ratelimit-* headers.
+fn rate_limit_headers(refusal: &Refusal) -> impl Iterator<Item = (&'static str, String)> + '_ {
+    let after = (refusal.retry_after.as_secs_f64().ceil() as u64).max(1);
+    std::iter::once(("retry-after", after.to_string())).chain(refusal.headers.iter().cloned())
+}
+
+/// The gRPC status's name, as metric labels and logs spell it.
+pub fn code_name(code: tonic::Code) -> &'static str {
+    use tonic::Code::*;
+    match code {
+        Ok => "OK",
+        Cancelled => "CANCELLED",
+        Unknown => "UNKNOWN",
+        InvalidArgument => "INVALID_ARGUMENT",
+        DeadlineExceeded => "DEADLINE_EXCEEDED",
+        NotFound => "NOT_FOUND",
+        AlreadyExists => "ALREADY_EXISTS",
+        PermissionDenied => "PERMISSION_DENIED",
+        ResourceExhausted => "RESOURCE_EXHAUSTED",
+        FailedPrecondition => "FAILED_PRECONDITION",
+        Aborted => "ABORTED",
+        OutOfRange => "OUT_OF_RANGE",
+        Unimplemented => "UNIMPLEMENTED",
+        Internal => "INTERNAL",
+        Unavailable => "UNAVAILABLE",
+        DataLoss => "DATA_LOSS",
+        Unauthenticated => "UNAUTHENTICATED",
     }
 }
 
 impl IntoResponse for SidecarError {
     fn into_response(self) -> Response {
         let status = self.http_status();
-        (status, Json(openai_error_body(status, &self.to_string()))).into_response()
+        let mut response = (status, Json(openai_error_body(status, &self.to_string()))).into_response();
+        if let Self::RateLimited(_, refusal) = &self {
+            for (name, value) in rate_limit_headers(refusal) {
+                if let Ok(value) = value.parse() {
+                    response.headers_mut().insert(name, value);
+                }
+            }
+        }
+        response
     }
 }
 

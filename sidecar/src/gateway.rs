@@ -11,11 +11,12 @@ use tonic::Streaming;
 
 use crate::cache_routing::CachePolicy;
 use crate::config::{Args, RoutingMode};
-use crate::error::{upstream_code, SidecarError};
+use crate::error::{code_name, upstream_code, SidecarError};
 use crate::pool::{OutstandingGuard, Pool, Worker};
 use crate::proto::inference_service_client::InferenceServiceClient;
 use crate::proto::predict_request::Input;
 use crate::proto::{PredictRequest, PredictResponse};
+use crate::ratelimit::Charge;
 use crate::routing::{is_worker_failure, pick, prefix_key, retryable, RetryBudget};
 use crate::trace;
 
@@ -160,6 +161,7 @@ impl Gateway {
                         request_id: request.request_id.clone(),
                         span: span.clone(),
                         attempt_span,
+                        charge: None,
                         _guard: guard,
                         _permit: permit,
                     });
@@ -294,16 +296,25 @@ pub struct Upstream {
     /// The request's server span and this call's: held so they end when the stream does.
     span: tracing::Span,
     attempt_span: tracing::Span,
+    /// The caller's token budget, settled when the stream ends (see ratelimit::Charge).
+    charge: Option<Charge>,
     _guard: OutstandingGuard,
     _permit: OwnedSemaphorePermit,
 }
 
 impl Upstream {
+    pub fn bill(&mut self, charge: Charge) {
+        self.charge = Some(charge);
+    }
+
     /// The next message; None once the worker ended the stream with OK. A stream whose worker
     /// stopped answering (see pool::poll_load) and that got nothing for the stall timeout ends
     /// UNAVAILABLE; dropping it resets the worker's call, which the worker sees when it is back.
     pub async fn next(&mut self) -> Option<Result<PredictResponse, SidecarError>> {
         if let Some(first) = self.first.take() {
+            if let Some(charge) = &mut self.charge {
+                charge.observe(&first);
+            }
             return Some(Ok(first));
         }
         let Some(received) = unless_stalled(&self.worker, self.last_message, self.stall_timeout, self.rest.message()).await
@@ -322,6 +333,9 @@ impl Upstream {
                 }
                 if message.usage.is_some() {
                     trace::record_usage(&self.attempt_span, &message);
+                }
+                if let Some(charge) = &mut self.charge {
+                    charge.observe(&message);
                 }
                 Some(Ok(message))
             }
@@ -370,28 +384,5 @@ pub fn record_end(route: Route, request_id: &str, worker: &str, status: &'static
     if let Some(first_at) = first_at {
         metrics::histogram!("cyllm_sidecar_time_to_first_token_seconds", "route" => route)
             .record((first_at - started).as_secs_f64());
-    }
-}
-
-pub fn code_name(code: tonic::Code) -> &'static str {
-    use tonic::Code::*;
-    match code {
-        Ok => "OK",
-        Cancelled => "CANCELLED",
-        Unknown => "UNKNOWN",
-        InvalidArgument => "INVALID_ARGUMENT",
-        DeadlineExceeded => "DEADLINE_EXCEEDED",
-        NotFound => "NOT_FOUND",
-        AlreadyExists => "ALREADY_EXISTS",
-        PermissionDenied => "PERMISSION_DENIED",
-        ResourceExhausted => "RESOURCE_EXHAUSTED",
-        FailedPrecondition => "FAILED_PRECONDITION",
-        Aborted => "ABORTED",
-        OutOfRange => "OUT_OF_RANGE",
-        Unimplemented => "UNIMPLEMENTED",
-        Internal => "INTERNAL",
-        Unavailable => "UNAVAILABLE",
-        DataLoss => "DATA_LOSS",
-        Unauthenticated => "UNAUTHENTICATED",
     }
 }

@@ -2,26 +2,25 @@
 
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::Stream;
 use tonic::metadata::MetadataMap;
 use tonic::{Request, Response, Status};
 
-use crate::auth::ApiKeys;
-use crate::gateway::{Gateway, Route};
+use crate::auth::{ApiKeys, Caller, FAIRNESS_HEADER};
+use crate::error::code_name;
+use crate::gateway::{record_end, Gateway, Route};
 use crate::proto::inference_service_server::InferenceService;
 use crate::proto::{PredictRequest, PredictResponse};
+use crate::ratelimit::RateLimits;
 use crate::request_id;
 use crate::trace;
 
 pub struct InferenceProxy {
     pub gateway: Arc<Gateway>,
+    pub limits: Arc<RateLimits>,
 }
-
-/// The Gateway API Inference Extension's fairness key: forwarded to the worker in
-/// PredictRequest.metadata under the same name, where its TaskScheduler reads the tenant.
-pub const FAIRNESS_HEADER: &str = "x-gateway-inference-fairness-id";
 
 type ResponseStream = Pin<Box<dyn Stream<Item = Result<PredictResponse, Status>> + Send>>;
 
@@ -34,13 +33,18 @@ impl InferenceService for InferenceProxy {
         let id = request_id::of_grpc(&request.get_ref().request_id, request.metadata()).map_err(Status::from)?;
         let span = trace::request_span(Route::Grpc, &id, trace::parent_of_grpc(request.metadata()));
         let fairness = request.metadata().get(FAIRNESS_HEADER).and_then(|v| v.to_str().ok()).map(str::to_owned);
+        let caller = request.extensions().get::<Caller>().cloned().unwrap_or_default();
         let mut forwarded = request.into_inner();
         forwarded.request_id = id.clone();
-        if let Some(tenant) = fairness.filter(|t| !t.is_empty()) {
+        if let Some(tenant) = caller.tenant(fairness) {
             forwarded.metadata.entry(FAIRNESS_HEADER.to_owned()).or_insert(tenant);  // the body's own wins
         }
         trace::record_request(&span, &forwarded, 1);
+        let mut admission = self.limits.admit(&caller.budget_key(&forwarded), &forwarded, 1).inspect_err(|error| {
+            record_end(Route::Grpc, &id, "none", code_name(error.code()), Instant::now(), None, &span);
+        })?;
         let mut upstream = self.gateway.open(forwarded, timeout, Route::Grpc, &span).await?;
+        upstream.bill(admission.charges.remove(0));
         // Dropped when the client leaves: that drops `upstream`, which cancels the worker's call.
         let stream = async_stream::stream! {
             while let Some(item) = upstream.next().await {
@@ -56,6 +60,11 @@ impl InferenceService for InferenceProxy {
         let mut response = Response::new(Box::pin(stream) as ResponseStream);
         if let Ok(value) = id.parse() {  // a client's own request_id field may not be a valid header value
             response.metadata_mut().insert(request_id::HEADER, value);
+        }
+        for (name, value) in admission.headers {
+            if let Ok(value) = value.parse() {
+                response.metadata_mut().insert(name, value);
+            }
         }
         Ok(response)
     }
@@ -96,15 +105,18 @@ pub fn contract_status<B>(mut response: http::Response<B>) -> http::Response<B> 
 }
 
 /// Rejects calls without a valid key (authorization: Bearer KEY, or x-api-key: KEY).
+/// The caller (a named key's name) goes on in the request's extensions.
 pub fn auth_interceptor(keys: ApiKeys) -> impl FnMut(Request<()>) -> Result<Request<()>, Status> + Clone {
-    move |request: Request<()>| {
+    move |mut request: Request<()>| {
         let metadata = request.metadata();
         let authorization = metadata.get("authorization").map(|v| v.as_bytes());
         let api_key = metadata.get("x-api-key").map(|v| v.as_bytes());
-        if keys.check_header(authorization, api_key) {
-            Ok(request)
-        } else {
-            Err(Status::unauthenticated("missing or invalid API key"))
+        match keys.check_header(authorization, api_key) {
+            Some(caller) => {
+                request.extensions_mut().insert(caller);
+                Ok(request)
+            }
+            None => Err(Status::unauthenticated("missing or invalid API key")),
         }
     }
 }
@@ -143,7 +155,7 @@ mod tests {
 
     #[test]
     fn interceptor_requires_a_key_when_keys_are_set() {
-        let mut check = auth_interceptor(ApiKeys::new(vec!["sk-1".into()]));
+        let mut check = auth_interceptor(ApiKeys::plain(&["sk-1"]));
         assert_eq!(check(Request::new(())).unwrap_err().code(), tonic::Code::Unauthenticated);
         let mut request = Request::new(());
         request.metadata_mut().insert("authorization", "Bearer sk-1".parse().unwrap());

@@ -1,36 +1,35 @@
 //! The HTTP side: OpenAI-compatible /v1 routes (streaming as SSE), /healthz and /readyz.
 
-use std::convert::Infallible;
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
-use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::{Json, Router};
-use futures::StreamExt;
+use axum::{Extension, Json, Router};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 
-use crate::auth::ApiKeys;
-use crate::error::{openai_error_body, SidecarError};
-use crate::gateway::{code_name, record_end, Gateway, Route};
-use crate::grpc::FAIRNESS_HEADER;
+use crate::auth::{ApiKeys, Caller, FAIRNESS_HEADER};
+use crate::error::{code_name, SidecarError};
+use crate::gateway::{record_end, Gateway, Route};
 use crate::openai::{ChatRequest, CompletionRequest};
-use crate::proto::{PredictRequest, PredictResponse};
-use crate::reply::{usage, Reply, Shape};
+use crate::proto::PredictRequest;
+use crate::ratelimit::RateLimits;
+use crate::reply::Shape;
+use crate::response::{respond, Options};
 use crate::request_id;
 use crate::trace;
 
 pub struct HttpState {
     pub gateway: Arc<Gateway>,
     pub keys: ApiKeys,
+    pub limits: Arc<RateLimits>,
     pub timeout: Option<Duration>,
     /// How long a request body may take to arrive whole.
     pub body_timeout: Option<Duration>,
@@ -65,19 +64,23 @@ fn route_of(path: &str) -> Route {
 
 /// An error answered by the sidecar itself, counted like any other request's end. Refusals
 /// before the handler (key, body) have no request span: `Span::none()`.
-fn refuse(route: Route, id: &str, error: SidecarError, span: &tracing::Span) -> Response {
+pub fn refuse(route: Route, id: &str, error: SidecarError, span: &tracing::Span) -> Response {
     record_end(route, id, "none", code_name(error.code()), Instant::now(), None, span);
     error.into_response()
 }
 
-async fn require_key(State(state): State<Arc<HttpState>>, request: Request, next: Next) -> Response {
+/// The caller (a named key's name) goes on in the request's extensions.
+async fn require_key(State(state): State<Arc<HttpState>>, mut request: Request, next: Next) -> Response {
     let headers = request.headers();
     let authorization = headers.get(header::AUTHORIZATION).map(|v| v.as_bytes());
     let api_key = headers.get("x-api-key").map(|v| v.as_bytes());
-    if state.keys.check_header(authorization, api_key) {
-        next.run(request).await
-    } else {
-        refuse(route_of(request.uri().path()), &request_id::of(headers), SidecarError::Unauthenticated, &tracing::Span::none())
+    match state.keys.check_header(authorization, api_key) {
+        Some(caller) => {
+            request.extensions_mut().insert(caller);
+            next.run(request).await
+        }
+        None => refuse(route_of(request.uri().path()), &request_id::of(headers), SidecarError::Unauthenticated,
+                       &tracing::Span::none()),
     }
 }
 
@@ -143,7 +146,8 @@ fn parse<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>, limit: usize)
     serde_json::from_slice(&body).map_err(|e| SidecarError::InvalidRequest(format!("invalid JSON body: {e}")))
 }
 
-async fn completions(State(state): State<Arc<HttpState>>, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Response {
+async fn completions(State(state): State<Arc<HttpState>>, Extension(caller): Extension<Caller>, headers: HeaderMap,
+                     body: Result<Bytes, BytesRejection>) -> Response {
     let id = request_id::of(&headers);
     let span = trace::request_span(Route::Completions, &id, trace::parent(&headers));
     let request: CompletionRequest = match parse(body, state.max_body_bytes) {
@@ -152,16 +156,17 @@ async fn completions(State(state): State<Arc<HttpState>>, headers: HeaderMap, bo
     };
     let (stream, include_usage, n) = (request.sampling.stream, request.sampling.include_usage(), request.sampling.choices());
     let logprobs = request.sampling.logprobs.as_ref().is_some_and(|v| v.is_number());
-    match request.into_proto(&id).and_then(|(proto, echo)| Ok((with_headers(proto, &headers)?, echo))) {
+    match request.into_proto(&id).and_then(|(proto, echo)| Ok((with_headers(proto, &headers, &caller)?, echo))) {
         Ok((proto, echo)) => {
             let shape = Shape { route: Route::Completions, tools: None, logprobs, echo };
-            respond(state, proto, shape, id, Options { streaming: stream, include_usage, n }, span).await
+            respond(&state, proto, shape, id, Options { streaming: stream, include_usage, n, caller }, span).await
         }
         Err(error) => refuse(Route::Completions, &id, error, &span),
     }
 }
 
-async fn chat_completions(State(state): State<Arc<HttpState>>, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Response {
+async fn chat_completions(State(state): State<Arc<HttpState>>, Extension(caller): Extension<Caller>, headers: HeaderMap,
+                          body: Result<Bytes, BytesRejection>) -> Response {
     let id = request_id::of(&headers);
     let span = trace::request_span(Route::ChatCompletions, &id, trace::parent(&headers));
     let request: ChatRequest = match parse(body, state.max_body_bytes) {
@@ -169,12 +174,12 @@ async fn chat_completions(State(state): State<Arc<HttpState>>, headers: HeaderMa
         Err(error) => return refuse(Route::ChatCompletions, &id, error, &span),
     };
     let (stream, include_usage, n) = (request.sampling.stream, request.sampling.include_usage(), request.sampling.choices());
-    match request.into_proto(&id).and_then(|(proto, plan)| Ok((with_headers(proto, &headers)?, plan))) {
+    match request.into_proto(&id).and_then(|(proto, plan)| Ok((with_headers(proto, &headers, &caller)?, plan))) {
         Ok((proto, plan)) => {
             let logprobs = proto.logprobs.is_some();
             let tools = (plan.mode != crate::tools::Mode::None).then_some(plan);
             let shape = Shape { route: Route::ChatCompletions, tools, logprobs, echo: None };
-            respond(state, proto, shape, id, Options { streaming: stream, include_usage, n }, span).await
+            respond(&state, proto, shape, id, Options { streaming: stream, include_usage, n, caller }, span).await
         }
         Err(error) => refuse(Route::ChatCompletions, &id, error, &span),
     }
@@ -182,8 +187,9 @@ async fn chat_completions(State(state): State<Arc<HttpState>>, headers: HeaderMa
 
 /// What the OpenAI body has no field for, from headers (the openai SDK's `extra_headers`): the
 /// worker's prompt adapter (`x-cyllm-adapter`) and the tenant the worker shares its slots by (the
-/// Gateway API Inference Extension's fairness header, into the metadata under the same name).
-fn with_headers(mut proto: PredictRequest, headers: &HeaderMap) -> Result<PredictRequest, SidecarError> {
+/// Gateway API Inference Extension's fairness header, else the key's name, into the metadata
+/// under the header's name).
+fn with_headers(mut proto: PredictRequest, headers: &HeaderMap, caller: &Caller) -> Result<PredictRequest, SidecarError> {
     let text = |name: &str| -> Result<Option<String>, SidecarError> {
         headers.get(name).map(|v| v.to_str().map(|t| t.trim().to_owned()))
             .transpose().map_err(|_| SidecarError::InvalidRequest(format!("{name}: not ASCII")))
@@ -191,108 +197,10 @@ fn with_headers(mut proto: PredictRequest, headers: &HeaderMap) -> Result<Predic
     if let Some(name) = text("x-cyllm-adapter")? {
         proto.adapter = name;
     }
-    if let Some(tenant) = text(FAIRNESS_HEADER)?.filter(|t| !t.is_empty()) {
+    if let Some(tenant) = caller.tenant(text(FAIRNESS_HEADER)?) {
         proto.metadata.insert(FAIRNESS_HEADER.to_owned(), tenant);
     }
     Ok(proto)
-}
-
-fn object(route: Route, streaming: bool) -> &'static str {
-    match (route, streaming) {
-        (Route::ChatCompletions, true) => "chat.completion.chunk",
-        (Route::ChatCompletions, false) => "chat.completion",
-        _ => "text_completion",
-    }
-}
-
-/// How the reply goes out.
-struct Options {
-    streaming: bool,
-    include_usage: bool,
-    /// Choices: n requests to the workers, seeded seed, seed + 1, ... when the request has a seed.
-    n: u32,
-}
-
-async fn respond(state: Arc<HttpState>, proto: PredictRequest, shape: Shape, id: String, options: Options,
-                 span: tracing::Span) -> Response {
-    let route = shape.route;
-    let created = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
-    let model = if proto.model.is_empty() {
-        state.gateway.pool.models().into_iter().next().unwrap_or_default()
-    } else {
-        proto.model.clone()
-    };
-    trace::record_request(&span, &proto, options.n);
-    if let Some(missing) = state.gateway.pool.lacks(&proto.model, &proto) {
-        return refuse(route, &proto.request_id, SidecarError::InvalidRequest(missing), &span);
-    }
-    let mut upstreams = Vec::new();
-    for index in 0..options.n {
-        let mut request = proto.clone();
-        if options.n > 1 {
-            request.request_id = format!("{}-{index}", proto.request_id);
-            if let Some(sampling) = request.sampling.as_mut() {
-                sampling.seed = sampling.seed.map(|seed| seed.wrapping_add(u64::from(index)));
-            }
-        }
-        // Dropping those already open, on an error, cancels their calls on the workers.
-        match state.gateway.open(request, state.timeout, route, &span).await {
-            Ok(upstream) => upstreams.push(upstream),
-            Err(error) => return error.into_response(),
-        }
-    }
-    if !options.streaming {
-        let collected = futures::future::join_all(upstreams.into_iter().enumerate().map(|(index, mut upstream)| async move {
-            let mut reply = Reply::new(index as u32);
-            while let Some(item) = upstream.next().await {
-                reply.absorb(item?);
-            }
-            Ok::<_, SidecarError>(reply)
-        }))
-        .await;
-        let replies = match collected.into_iter().collect::<Result<Vec<_>, _>>() {
-            Ok(replies) => replies,
-            Err(error) => return error.into_response(),
-        };
-        return Json(json!({
-            "id": id, "object": object(route, false), "created": created, "model": model,
-            "choices": replies.iter().map(|r| r.whole(&shape)).collect::<Vec<_>>(),
-            "usage": usage(&replies),
-        }))
-        .into_response();
-    }
-    // Dropped when the client disconnects, which drops every upstream and cancels the workers' calls.
-    let mut merged = futures::stream::select_all(upstreams.into_iter().enumerate().map(|(index, upstream)| {
-        Box::pin(futures::stream::unfold(upstream, |mut upstream| async move {
-            upstream.next().await.map(|item| (item, upstream))
-        }).map(move |item| (index, item)))
-    }));
-    let events = async_stream::stream! {
-        let mut replies: Vec<Reply> = (0..options.n).map(Reply::new).collect();
-        while let Some((index, item)) = merged.next().await {
-            match item {
-                Ok(message) => {
-                    let message: PredictResponse = message;
-                    if let Some(choice) = replies[index].delta(&shape, message) {
-                        let chunk = json!({"id": id, "object": object(route, true), "created": created, "model": model,
-                                           "choices": [choice]});
-                        yield Ok::<_, Infallible>(Event::default().data(chunk.to_string()));
-                    }
-                }
-                Err(error) => {
-                    yield Ok(Event::default().data(openai_error_body(error.http_status(), &error.to_string()).to_string()));
-                    return;
-                }
-            }
-        }
-        if options.include_usage {
-            let chunk = json!({"id": id, "object": object(route, true), "created": created, "model": model,
-                               "choices": [], "usage": usage(&replies)});
-            yield Ok(Event::default().data(chunk.to_string()));
-        }
-        yield Ok(Event::default().data("[DONE]"));
-    };
-    Sse::new(events).keep_alive(KeepAlive::default()).into_response()
 }
 
 #[cfg(test)]
@@ -309,7 +217,8 @@ mod tests {
         let pool = Arc::new(Pool { workers: vec![Arc::new(Worker::fake("w0", &["smol"], ready))] });
         Arc::new(HttpState {
             gateway: Arc::new(Gateway::new(pool, &args)),
-            keys: ApiKeys::new(keys),
+            keys: ApiKeys::plain(&keys.iter().map(String::as_str).collect::<Vec<_>>()),
+            limits: RateLimits::load(None).unwrap(),
             timeout: None,
             body_timeout: Some(Duration::from_millis(200)),
             max_body_bytes: 1024,

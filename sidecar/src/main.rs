@@ -15,8 +15,10 @@ mod openai;
 mod pool;
 mod probe;
 mod proto;
+mod ratelimit;
 mod reply;
 mod request_id;
+mod response;
 mod routing;
 mod tools;
 mod trace;
@@ -37,6 +39,7 @@ use crate::grpc::{auth_interceptor, InferenceProxy};
 use crate::listener::{Limits, Listener};
 use crate::pool::{Pool, Watch};
 use crate::proto::inference_service_server::InferenceServiceServer;
+use crate::ratelimit::RateLimits;
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
@@ -61,6 +64,8 @@ async fn serve(args: Args) -> anyhow::Result<()> {
     args.check()?;
     let keys = ApiKeys::new(args.load_api_keys()?);
     let auth_enabled = keys.enabled();
+    let rate_limits = RateLimits::load(args.rate_limits_file.clone())?;
+    tokio::spawn(rate_limits.clone().watch());
     let handle = metrics::install()?;
     let watch = Watch::from_args(&args);
     let pool = Arc::new(Pool::new(&args, &watch)?);
@@ -78,7 +83,7 @@ async fn serve(args: Args) -> anyhow::Result<()> {
         .with_service_name(proto::INFERENCE_SERVICE)
         .with_service_name("grpc.health.v1.Health")
         .build_v1()?;
-    let inference = InferenceServiceServer::new(InferenceProxy { gateway: gateway.clone() })
+    let inference = InferenceServiceServer::new(InferenceProxy { gateway: gateway.clone(), limits: rate_limits.clone() })
         .max_decoding_message_size(args.max_request_bytes);
     let limits = Limits::from_args(&args);
     let grpc_listener = Arc::new(Listener::bind(args.grpc_addr, "grpc", limits).await?);
@@ -97,6 +102,7 @@ async fn serve(args: Args) -> anyhow::Result<()> {
     let http_state = Arc::new(http::HttpState {
         gateway: gateway.clone(),
         keys,
+        limits: rate_limits,
         timeout: args.http_timeout(),
         body_timeout: config::limit(args.body_read_timeout_s),
         max_body_bytes: args.max_request_bytes,

@@ -38,6 +38,10 @@ pub fn install() -> anyhow::Result<PrometheusHandle> {
     metrics::describe_counter!("cyllm_sidecar_spans_dropped_total", "Trace spans that never reached the collector, by reason");
     metrics::describe_counter!("cyllm_sidecar_spans_exported_total", "Trace spans sent to the OTLP collector");
     metrics::describe_gauge!("cyllm_pod_prefix_cache_hit_ratio", "Prompt tokens found in the prefix caches over those looked up, since the workers started");
+    metrics::describe_counter!("cyllm_sidecar_rate_limited_total", "Requests refused by a caller's rate limit, by tenant and limit (requests, tokens)");
+    metrics::describe_counter!("cyllm_sidecar_tenant_tokens_total", "Tokens charged to callers' budgets (prompt + generated), by tenant");
+    metrics::describe_gauge!("cyllm_sidecar_rate_limit_held_tokens", "Token estimates held for requests still running");
+    metrics::describe_counter!("cyllm_sidecar_rate_limit_reloads_total", "Rereads of the rate limits file, by result (ok, error)");
     let upkeep = handle.clone();
     tokio::spawn(async move {
         let mut ticker = tokio::time::interval(Duration::from_secs(5));
