@@ -3,6 +3,7 @@ by a newcomer, no credit banked while idle, weights), priority bands over fairne
 caps, FCFS when chosen, and a soak of random cancels that gives everything back."""
 
 import asyncio
+import contextlib
 import random
 from collections import Counter
 
@@ -139,6 +140,37 @@ async def test_a_tenant_at_its_cap_waits_without_blocking_others():
         await scheduler.admit(600, tenant="capped")
     assert scheduler.fairness.stats["capped"].rejections["over_budget"] == 1
     assert scheduler.load().running == 0 and not scheduler.tenant_running and not scheduler.tenant_budget
+
+
+async def test_headroom_keeps_slots_for_a_light_tenant_while_a_flood_holds_the_rest():
+    async def flood_then_light(headroom: int) -> tuple[int, bool]:
+        scheduler = make(Fairness(headroom_slots=headroom), max_concurrency=8)
+        flood = [asyncio.create_task(scheduler.admit(10, tenant="flood")) for _ in range(12)]
+        await asyncio.sleep(0)
+        running_alone = scheduler.load().running
+        light = asyncio.create_task(scheduler.admit(10, tenant="light"))
+        await asyncio.sleep(0)
+        started = light.done()
+        for task in flood:
+            task.cancel()
+        for task in [*flood, light]:
+            with contextlib.suppress(asyncio.CancelledError):
+                scheduler.release(await task)
+        assert scheduler.load() == make(max_concurrency=8).load()
+        return running_alone, started
+
+    assert await flood_then_light(0) == (8, False), "without headroom the flood fills every slot"
+    assert await flood_then_light(2) == (6, True), "the light tenant starts at once, the flood queued"
+    scheduler = make(Fairness(headroom_slots=2), max_concurrency=8)
+    lights = [await asyncio.wait_for(scheduler.admit(10, tenant="light"), 1) for _ in range(6)]
+    seventh = asyncio.create_task(scheduler.admit(10, tenant="light"))
+    await asyncio.sleep(0)
+    assert not seventh.done(), "a tenant alone holding half the slots stays out of the headroom"
+    scheduler.release(lights.pop())
+    lights.append(await asyncio.wait_for(seventh, 1))
+    for grant in lights:
+        scheduler.release(grant)
+    assert scheduler.load().running == 0 and not scheduler.tenant_running
 
 
 async def test_tenants_come_from_the_configured_key():

@@ -203,6 +203,10 @@ class TenantsConfig:
     """name (or `default`, for all others) -> {weight: 1.0, max_concurrency: 0 (no cap), max_budget_share: 1.0}."""
     metric_tenants: int = 20
     """Tenants labelled by name in metrics besides the named ones (first seen); the rest are `other`."""
+    headroom_slots: int = 0
+    """Slots kept for tenants holding few: the last N free slots go only to a tenant running fewer
+    than max_concurrency / (tenants active + 1), so a light tenant's request starts at once while a
+    flood holds the rest (admission cannot preempt). Costs the flood N slots when it runs alone."""
 
     def validate(self) -> None:
         from worker.fairness import POLICIES, parse_limits
@@ -211,7 +215,7 @@ class TenantsConfig:
             raise ConfigError("tenants.key", "must be set")
         if self.policy not in POLICIES:
             raise ConfigError("tenants.policy", f"one of {', '.join(POLICIES)}")
-        for key in ("prompt_weight", "output_weight", "metric_tenants"):
+        for key in ("prompt_weight", "output_weight", "metric_tenants", "headroom_slots"):
             _check_range(f"tenants.{key}", getattr(self, key), 0, 1e6)
         for name, spec in self.named.items():
             try:

@@ -207,7 +207,18 @@ class TaskScheduler:
     def _under_cap(self, cost: int, tenant: str) -> bool:
         cap = self.fairness.limits(tenant).max_concurrency
         return ((not cap or self.tenant_running[tenant] < cap)
-                and self.tenant_budget[tenant] + cost <= self._tenant_budget(tenant))
+                and self.tenant_budget[tenant] + cost <= self._tenant_budget(tenant)
+                and self._running < self._slots_for(tenant))
+
+    def _slots_for(self, tenant: str) -> int:
+        """The slots `tenant` may fill: all, or all but the headroom when it already holds its
+        share with one more tenant counted (one may come at any moment)."""
+        headroom = min(self.fairness.headroom_slots, self.max_concurrency - 1)
+        if not headroom:
+            return self.max_concurrency
+        active = len(set(self.tenant_running) | set(self._waiting) | {tenant})
+        light = self.tenant_running[tenant] < self.max_concurrency / (active + 1)
+        return self.max_concurrency if light else self.max_concurrency - headroom
 
     def _fits(self, cost: int, tenant: str) -> bool:
         return (self._running < self.max_concurrency and self._budget_used + cost <= self.budget_total
@@ -223,7 +234,8 @@ class TaskScheduler:
         return Grant(cost, queued_s, tenant)
 
     def _next(self) -> _Waiter | None:
-        """The head to admit next: by the fairness policy among the tenants under their caps."""
+        """The head to admit next: by the fairness policy among the tenants under their caps (and
+        outside the headroom, for tenants that hold their share)."""
         best, best_key = None, None
         for tenant, heap in self._waiting.items():
             head = heap[0]
