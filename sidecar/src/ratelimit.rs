@@ -152,7 +152,7 @@ impl RateLimits {
         }
         buckets.requests.level -= 1.0;
         buckets.held += estimate;
-        metrics::gauge!("cyllm_sidecar_rate_limit_held_tokens").increment(estimate);
+        report_held(&state.buckets);
         let headers = headers(&limit, requests - 1.0, tokens - estimate);
         let each = estimate / f64::from(n.max(1));
         let charges = (0..n)
@@ -199,10 +199,11 @@ impl RateLimits {
         let mut state = self.state.lock().unwrap();
         let label = label(&state.file, caller);
         if let Some(buckets) = state.buckets.get_mut(caller) {
-            buckets.held = (buckets.held - held).max(0.0);
+            // A hold split over n choices may not sum back exactly: what is left under a token is none.
+            buckets.held = if buckets.held - held < 1e-3 { 0.0 } else { buckets.held - held };
             buckets.tokens.level -= used;
         }
-        metrics::gauge!("cyllm_sidecar_rate_limit_held_tokens").decrement(held);
+        report_held(&state.buckets);
         metrics::counter!("cyllm_sidecar_tenant_tokens_total", "tenant" => label).increment(used as u64);
     }
 
@@ -251,6 +252,10 @@ impl Drop for Charge {
             limits.settle(&self.caller, self.held, used as f64);
         }
     }
+}
+
+fn report_held(buckets: &HashMap<String, Buckets>) {
+    metrics::gauge!("cyllm_sidecar_rate_limit_held_tokens").set(buckets.values().map(|b| b.held).sum::<f64>());
 }
 
 fn read(path: &std::path::Path) -> anyhow::Result<(LimitsFile, Option<SystemTime>)> {
