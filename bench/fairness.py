@@ -1,31 +1,38 @@
-"""Tenants sharing one synthetic worker (8 slots, 2,000 tokens/s in all), FCFS against VTC in one run.
+"""Tenants sharing one worker (8 slots), FCFS against VTC (and VTC with headroom) in one run.
 
-One tenant floods: ten times the others' clients, each asking for 256 tokens against their 64. Two
-scenarios, with two and with four tenants:
+The synthetic engine (2,000 tokens/s in all) by default; --engine native runs the embedded model
+(SmolLM2-135M) with shorter requests and longer runs. One tenant floods: ten times the others'
+clients, each asking for 4x their tokens (synthetic: 256 against 64). Two scenarios, with two and
+with four tenants:
 
 - backlogged: every tenant keeps more requests outstanding than its fair share of slots (closed
   loop: the flood 80 clients, each light tenant 8). Reported: each tenant's share of the tokens
   generated after a warm-up, and the total tokens/s.
-- latency: each light tenant sends Poisson arrivals below its share (2/s, 32 tokens each) while the
-  flood stays backlogged; the same arrivals also run with the pool to the light tenants alone.
-  Reported: the light tenants' TTFT p50/p99 with the flood and alone.
+- latency: each light tenant sends Poisson arrivals below its share (synthetic: 2/s, 32 tokens each)
+  while the flood stays backlogged; the same arrivals also run with the pool to the light tenants
+  alone. Reported: the light tenants' TTFT p50/p99 with the flood and alone.
+
+Policies: fcfs, vtc, and vtc+headroom (tenants.headroom_slots=2: the last two free slots go only
+to tenants holding less than their share, since admission cannot preempt a running request).
 
 Tenants are named in PredictRequest.metadata (x-gateway-inference-fairness-id), as the sidecar
-forwards them. Writes bench/results/fairness.json and fairness.png.
+forwards them. Writes bench/results/fairness.json and fairness.png (fairness-native.* for native).
 
-    python bench/fairness.py [--seconds 12] [--seed 3]
+    python bench/fairness.py [--engine synthetic|native] [--seconds 12] [--seed 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import random
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -40,36 +47,58 @@ KEY = "x-gateway-inference-fairness-id"
 WARMUP_S = 2.0
 
 
+@dataclass(frozen=True)
+class Workload:
+    engine_args: tuple[str, ...]
+    flood_tokens: int
+    light_tokens: int
+    latency_tokens: int
+    latency_rate: float
+    """Each light tenant's arrivals a second in the latency scenario."""
+    seconds: float
+
+
+WORKLOADS = {
+    "synthetic": Workload(("--engine", "synthetic", "--set", "engine.args.tokens_per_s=2000"), 256, 64, 32, 2.0, 12.0),
+    "native": Workload(("--engine", "native", "--set", "engine.args.cpu_threads=2"), 64, 16, 8, 0.5, 40.0),
+}
+POLICIES = {"fcfs": ("--set", "tenants.policy=fcfs"), "vtc": ("--set", "tenants.policy=vtc"),
+            "vtc+headroom": ("--set", "tenants.policy=vtc", "--set", "tenants.headroom_slots=2")}
+
+
 class Run:
     """One worker with one policy; every stream's tenant, send time, first-token time and tokens."""
 
-    def __init__(self, policy: str):
+    def __init__(self, policy: str, workload: Workload):
         self.dir = tempfile.mkdtemp(prefix="cyllm-fair-", dir="/tmp")
         self.socket = f"{self.dir}/w.sock"
         self.proc = subprocess.Popen(cy_llm(
-            "serve", "--engine", "synthetic", "--socket", self.socket, "--set", "engine.args.tokens_per_s=2000",
-            "--set", "resources.max_concurrency=8", "--set", "resources.queue_timeout_s=120",
-            "--set", f"tenants.policy={policy}", "--set", "server.log_level=warning"), cwd=REPO)
+            "serve", *workload.engine_args, "--socket", self.socket,
+            "--set", "resources.max_concurrency=8", "--set", "resources.queue_timeout_s=300",
+            *POLICIES[policy], "--set", "server.log_level=warning"), cwd=REPO)
         wait_ready(self.socket, self.proc)
-        self.records: list[tuple[str, float, float | None, list[tuple[float, int]]]] = []
+        self.records: list[list] = []
 
     async def ask(self, stub, pb, tenant: str, max_tokens: int) -> None:
         request = pb.PredictRequest(prompt="a short question of eight words here", metadata={KEY: tenant},
-                                    sampling=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-        sent, first, tokens = time.perf_counter(), None, []
+                                    sampling=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                                                               temperature=0.0),
+                                    return_token_ids=True)
+        entry = [tenant, time.perf_counter(), None, []]  # tenant, sent, first token, [(at, tokens)]
+        self.records.append(entry)  # now, so a stream cut at the run's end still counts what it got
         async for reply in stub.StreamPredict(request):
-            if reply.text:
+            if reply.token_ids:
                 now = time.perf_counter()
-                first = first or now
-                tokens.append((now, len(reply.text)))  # the synthetic engine: one letter a token
-        self.records.append((tenant, sent, first, tokens))
+                entry[2] = entry[2] or now
+                entry[3].append((now, len(reply.token_ids)))
 
     def stop(self) -> None:
         self.proc.terminate()
         self.proc.wait(30)
 
 
-async def drive(run: Run, tenants: list[str], scenario: str, seconds: float, seed: int, with_flood: bool = True) -> float:
+async def drive(run: Run, tenants: list[str], scenario: str, workload: Workload, seed: int,
+                with_flood: bool = True) -> float:
     import grpc
 
     from worker.gen.cyllm.inference.v1 import inference_pb2 as pb
@@ -77,7 +106,7 @@ async def drive(run: Run, tenants: list[str], scenario: str, seconds: float, see
 
     rng = random.Random(seed)
     started = time.perf_counter()
-    end = started + seconds
+    end = started + workload.seconds
     async with grpc.aio.insecure_channel(f"unix:{run.socket}") as channel:
         stub = pb_grpc.InferenceServiceStub(channel)
 
@@ -87,18 +116,27 @@ async def drive(run: Run, tenants: list[str], scenario: str, seconds: float, see
 
         async def open_loop(tenant: str, rate: float, arrivals: random.Random) -> None:
             sent = []
-            while time.perf_counter() < end:
-                sent.append(asyncio.create_task(run.ask(stub, pb, tenant, 32)))
-                await asyncio.sleep(arrivals.expovariate(rate))
-            await asyncio.gather(*sent)
+            try:
+                while time.perf_counter() < end:
+                    sent.append(asyncio.create_task(run.ask(stub, pb, tenant, workload.latency_tokens)))
+                    await asyncio.sleep(arrivals.expovariate(rate))
+                await asyncio.gather(*sent)
+            finally:
+                for task in sent:
+                    task.cancel()
 
         flood, light = tenants[0], tenants[1:]
-        clients = [closed_loop(flood, 256) for _ in range(80)] if with_flood else []
+        clients = [closed_loop(flood, workload.flood_tokens) for _ in range(80)] if with_flood else []
         if scenario == "backlogged":
-            clients += [closed_loop(t, 64) for t in light for _ in range(8)]
+            clients += [closed_loop(t, workload.light_tokens) for t in light for _ in range(8)]
         else:
-            clients += [open_loop(t, 2.0, random.Random(rng.random())) for t in light]
-        await asyncio.gather(*clients)
+            clients += [open_loop(t, workload.latency_rate, random.Random(rng.random())) for t in light]
+        # At the end every stream still open is cut, not drained: a backlog would take minutes.
+        tasks = [asyncio.create_task(c) for c in clients]
+        await asyncio.sleep(max(0.0, end - time.perf_counter()))
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
     return started
 
 
@@ -114,15 +152,15 @@ def report(run: Run, started: float, seconds: float, tenants: list[str]) -> dict
             "ttft_ms": {t: {"p50": percentile(v, 50), "p99": percentile(v, 99), "n": len(v)} for t, v in ttft.items() if v}}
 
 
-def measure(policy: str, count: int, scenario: str, options, with_flood: bool = True) -> dict:
+def measure(policy: str, count: int, scenario: str, workload: Workload, seed: int, with_flood: bool = True) -> dict:
     tenants = ["flood"] + [f"light{i}" for i in range(1, count)]
-    run = Run(policy)
+    run = Run(policy, workload)
     try:
-        started = asyncio.run(drive(run, tenants, scenario, options.seconds, options.seed, with_flood))
+        started = asyncio.run(drive(run, tenants, scenario, workload, seed, with_flood))
     finally:
         run.stop()
     row = {"policy": policy, "tenants": count, "scenario": scenario, "flood": with_flood,
-           **report(run, started, options.seconds, tenants if with_flood else tenants[1:])}
+           **report(run, started, workload.seconds, tenants if with_flood else tenants[1:])}
     print(json.dumps(row), flush=True)
     return row
 
@@ -131,18 +169,20 @@ def summary(rows: list[dict]) -> dict:
     out = {}
     for count in sorted({r["tenants"] for r in rows}):
         pick = {(r["policy"], r["scenario"], r["flood"]): r for r in rows if r["tenants"] == count}
-        vtc, fcfs = pick[("vtc", "backlogged", True)], pick[("fcfs", "backlogged", True)]
-        equal = 1 / count
-        alone, shared = pick[("vtc", "latency", False)], pick[("vtc", "latency", True)]
-        lights = [t for t in shared["ttft_ms"] if t != "flood"]
-        out[f"{count}_tenants"] = {
-            "vtc_max_share_error": max(abs(s - equal) / equal for s in vtc["share"].values()),
-            "fcfs_max_share_error": max(abs(s - equal) / equal for s in fcfs["share"].values()),
-            "vtc_throughput_vs_fcfs": vtc["tokens_per_s"] / fcfs["tokens_per_s"],
-            "vtc_light_ttft_p99_vs_alone": max(shared["ttft_ms"][t]["p99"] / alone["ttft_ms"][t]["p99"] for t in lights),
-            "fcfs_light_ttft_p99_vs_alone": max(pick[("fcfs", "latency", True)]["ttft_ms"][t]["p99"]
-                                                / alone["ttft_ms"][t]["p99"] for t in lights),
-        }
+        fcfs, equal = pick[("fcfs", "backlogged", True)], 1 / count
+        alone = pick[("vtc", "latency", False)]
+        lights = [t for t in alone["ttft_ms"] if t != "flood"]
+        one = {}
+        for policy in ("fcfs", "vtc", "vtc+headroom"):
+            backlogged, shared = pick[(policy, "backlogged", True)], pick[(policy, "latency", True)]
+            one[policy] = {
+                "max_share_error": max(abs(s - equal) / equal for s in backlogged["share"].values()),
+                "throughput_vs_fcfs": backlogged["tokens_per_s"] / fcfs["tokens_per_s"],
+                # None: a light tenant never got a first token before the run ended (starved).
+                "light_ttft_p99_vs_alone": None if any(t not in shared["ttft_ms"] for t in lights) else
+                max(shared["ttft_ms"][t]["p99"] / alone["ttft_ms"][t]["p99"] for t in lights),
+            }
+        out[f"{count}_tenants"] = one
     return out
 
 
@@ -157,9 +197,9 @@ def plot(result: dict, path: Path) -> None:
     fig, axes = plt.subplots(len(counts), 2, figsize=(11, 4 * len(counts)), squeeze=False)
     for (shares, ttft), count in zip(axes, counts):
         backlogged = [r for r in rows if r["tenants"] == count and r["scenario"] == "backlogged"]
-        for offset, row in zip((-0.2, 0.2), backlogged):
+        for offset, row in zip((-0.27, 0, 0.27), backlogged):
             names = list(row["share"])
-            shares.bar([i + offset for i in range(len(names))], list(row["share"].values()), 0.38, label=row["policy"])
+            shares.bar([i + offset for i in range(len(names))], list(row["share"].values()), 0.26, label=row["policy"])
             shares.set_xticks(range(len(names)), names)
         shares.axhline(1 / count, color="k", lw=0.8, ls="--")
         shares.set_ylabel("share of tokens generated (backlogged)")
@@ -167,8 +207,11 @@ def plot(result: dict, path: Path) -> None:
         shares.legend()
         latency = [r for r in rows if r["tenants"] == count and r["scenario"] == "latency"]
         labels = [f"{r['policy']}\n{'with flood' if r['flood'] else 'alone'}" for r in latency]
-        ttft.bar(labels, [max(v["p99"] for t, v in r["ttft_ms"].items() if t != "flood") for r in latency])
-        ttft.set_ylabel("light tenants' TTFT p99, ms")
+        # A light tenant with no first token in the whole run (starved) is drawn at the run's length.
+        starved = result["workload"]["seconds"] * 1000
+        ttft.bar(labels, [max((v["p99"] for t, v in r["ttft_ms"].items() if t != "flood"), default=starved)
+                          for r in latency])
+        ttft.set_ylabel("light tenants' TTFT p99, ms (starved: run length)")
         ttft.set_yscale("log")
         ttft.set_title(f"{count} tenants: light tenants' TTFT", fontsize=9)
     fig.suptitle(result["machine"]["cpu"], fontsize=9)
@@ -178,22 +221,27 @@ def plot(result: dict, path: Path) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--seconds", type=float, default=12.0, help="each run's length")
+    parser.add_argument("--engine", choices=sorted(WORKLOADS), default="synthetic")
+    parser.add_argument("--seconds", type=float, help="each run's length (synthetic 12, native 40)")
     parser.add_argument("--seed", type=int, default=3)
     options = parser.parse_args()
+    workload = WORKLOADS[options.engine]
+    if options.seconds:
+        workload = dataclasses.replace(workload, seconds=options.seconds)
     rows = []
     for count in (2, 4):
         for scenario in ("backlogged", "latency"):
-            for policy in ("fcfs", "vtc"):
-                rows.append(measure(policy, count, scenario, options))
-        rows.append(measure("vtc", count, "latency", options, with_flood=False))
+            for policy in POLICIES:
+                rows.append(measure(policy, count, scenario, workload, options.seed))
+        rows.append(measure("vtc", count, "latency", workload, options.seed, with_flood=False))
     result = {"benchmark": "fairness", "machine": machine("cpu"), "when": time.strftime("%Y-%m-%d %H:%M"),
-              "options": vars(options), "rows": rows, "summary": summary(rows)}
+              "options": vars(options), "workload": dataclasses.asdict(workload), "rows": rows, "summary": summary(rows)}
     print(json.dumps(result["summary"], indent=1))
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "fairness.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, RESULTS / "fairness.png")
-    print(f"wrote {RESULTS / 'fairness.json'} and fairness.png")
+    name = "fairness" if options.engine == "synthetic" else f"fairness-{options.engine}"
+    (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, RESULTS / f"{name}.png")
+    print(f"wrote {RESULTS / name}.json and {name}.png")
     return 0
 
 
