@@ -77,18 +77,23 @@ impl CachePolicy {
             load <= least + self.balance_abs || (load as f64) <= least as f64 * self.balance_ratio
         };
         let enough = ((self.min_match * chain.len() as f64).ceil() as usize).clamp(1, chain.len());
-        let held = |w: &Worker| if w.cache.is_live() { w.cache.prefix_blocks(chain) } else { 0 };
-        if let Some(holder) = candidates.iter().filter(|w| held(w) >= enough).max_by_key(|w| (held(w), std::cmp::Reverse(w.load()))) {
-            if !balanced(holder) {
+        // Each worker's cached prefix of the request, looked up once.
+        let held: Vec<usize> =
+            candidates.iter().map(|w| if w.cache.is_live() { w.cache.prefix_blocks(chain) } else { 0 }).collect();
+        let workers = 0..candidates.len();
+        if let Some(holder) = workers.clone().filter(|&i| held[i] >= enough)
+            .max_by_key(|&i| (held[i], std::cmp::Reverse(candidates[i].load()))) {
+            if !balanced(&candidates[holder]) {
                 return (None, "imbalance", 0);
             }
             // Cheapest: the tokens it must prefill, plus its queue priced in tokens.
-            let cost = |w: &Worker| (chain.len() - held(w)) as u64 * u64::from(block_size) + w.load() * self.load_tokens;
-            let cheapest = candidates.iter().min_by_key(|w| (cost(w), std::cmp::Reverse(held(w)))).unwrap_or(holder);
-            return if held(cheapest) >= enough {
-                (Some(cheapest.clone()), "cache_hit", held(cheapest) as u64 * u64::from(block_size))
+            let cost = |i: usize| (chain.len() - held[i]) as u64 * u64::from(block_size) + candidates[i].load() * self.load_tokens;
+            let cheapest = workers.min_by_key(|&i| (cost(i), std::cmp::Reverse(held[i]))).unwrap_or(holder);
+            let worker = Some(candidates[cheapest].clone());
+            return if held[cheapest] >= enough {
+                (worker, "cache_hit", held[cheapest] as u64 * u64::from(block_size))
             } else {
-                (Some(cheapest.clone()), "spill", 0)
+                (worker, "spill", 0)
             };
         }
         let home_key = u64::from_le_bytes(chain[enough - 1][..8].try_into().unwrap());

@@ -9,6 +9,7 @@ mod error;
 mod gateway;
 mod grpc;
 mod http;
+mod limits_file;
 mod listener;
 mod metrics;
 mod openai;

@@ -3,20 +3,15 @@
 //! when its stream ends, the hold is given back and what it used (the worker's usage) is charged,
 //! as Envoy AI Gateway bills after the response. Refusals are RESOURCE_EXHAUSTED / 429 with
 //! Retry-After and OpenAI's x-ratelimit-* headers.
-//!
-//! The file: {"default": {"requests_per_s": 5, "tokens_per_min": 20000},
-//!            "tenants": {"team-a": {"requests_per_s": 50, "tokens_per_min": 400000}}}
-//! A caller named under "tenants" has its own limits; every other caller has "default"'s, each in a
-//! bucket of its own. A limit left out is no limit.
+//! The limits themselves come from limits_file.rs.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
-use serde::Deserialize;
-
 use crate::error::SidecarError;
+use crate::limits_file::{Limit, LimitsFile};
 use crate::proto::predict_request::Input;
 use crate::proto::{PredictRequest, PredictResponse};
 
@@ -26,34 +21,6 @@ const DEFAULT_MAX_TOKENS: u64 = 512;
 /// charge itself is the worker's exact count.
 const BYTES_PER_TOKEN: u64 = 4;
 const RELOAD_CHECK: Duration = Duration::from_secs(1);
-
-#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
-pub struct Limit {
-    pub requests_per_s: Option<f64>,
-    pub tokens_per_min: Option<f64>,
-}
-
-#[derive(Clone, Debug, Default, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
-pub struct LimitsFile {
-    #[serde(default)]
-    pub default: Limit,
-    #[serde(default)]
-    pub tenants: HashMap<String, Limit>,
-}
-
-impl LimitsFile {
-    pub fn parse(text: &str) -> anyhow::Result<Self> {
-        let file: Self = serde_json::from_str(text)?;
-        for (name, limit) in std::iter::once(("default", &file.default)).chain(file.tenants.iter().map(|(n, l)| (n.as_str(), l))) {
-            for value in [limit.requests_per_s, limit.tokens_per_min].into_iter().flatten() {
-                anyhow::ensure!(value.is_finite() && value > 0.0, "{name}: limits must be positive numbers");
-            }
-        }
-        Ok(file)
-    }
-}
 
 /// A token bucket: `level` of `capacity`, refilled at `rate` a second. The tokens bucket may go
 /// below zero when a request used more than its estimate; it then refuses until refilled.
@@ -83,6 +50,8 @@ struct State {
     file: LimitsFile,
     modified: Option<SystemTime>,
     buckets: HashMap<String, Buckets>,
+    /// The buckets' holds summed (the held-tokens gauge), kept as they change.
+    held: f64,
 }
 
 /// One refusal's figures: what the headers and the message say.
@@ -102,15 +71,15 @@ impl RateLimits {
     /// Reads the file once (an unreadable or invalid file stops the start); None: no limits.
     pub fn load(path: Option<PathBuf>) -> anyhow::Result<Arc<Self>> {
         let (file, modified) = match &path {
-            Some(path) => read(path).map_err(|e| anyhow::anyhow!("--rate-limits-file {}: {e}", path.display()))?,
+            Some(path) => LimitsFile::read(path).map_err(|e| anyhow::anyhow!("--rate-limits-file {}: {e}", path.display()))?,
             None => (LimitsFile::default(), None),
         };
-        Ok(Arc::new(Self { path, state: Mutex::new(State { file, modified, buckets: HashMap::new() }) }))
+        Ok(Arc::new(Self { path, state: Mutex::new(State { file, modified, buckets: HashMap::new(), held: 0.0 }) }))
     }
 
     #[cfg(test)]
     pub fn from_file(file: LimitsFile) -> Arc<Self> {
-        Arc::new(Self { path: None, state: Mutex::new(State { file, modified: None, buckets: HashMap::new() }) })
+        Arc::new(Self { path: None, state: Mutex::new(State { file, modified: None, buckets: HashMap::new(), held: 0.0 }) })
     }
 
     /// Admits one request of `n` choices for `caller`, or says why not. Each returned charge goes
@@ -118,14 +87,14 @@ impl RateLimits {
     pub fn admit(self: &Arc<Self>, caller: &str, request: &PredictRequest, n: u32) -> Result<Admission, SidecarError> {
         let now = Instant::now();
         let mut state = self.state.lock().unwrap();
-        let limit = limit_of(&state.file, caller);
+        let limit = state.file.limit_of(caller);
         if limit == Limit::default() {
             return Ok(Admission { headers: Vec::new(), charges: (0..n).map(|_| Charge::free()).collect() });
         }
         let prompt = prompt_estimate(request);
         let completion = request.sampling.as_ref().and_then(|s| s.max_tokens).map_or(DEFAULT_MAX_TOKENS, u64::from);
-        let (requests_cap, requests_rate) = requests_bucket(&limit);
-        let (tokens_cap, tokens_rate) = tokens_bucket(&limit);
+        let (requests_cap, requests_rate) = limit.requests_bucket();
+        let (tokens_cap, tokens_rate) = limit.tokens_bucket();
         // Capped at the bucket, so that a request larger than a whole minute's budget can still run
         // (on an otherwise full bucket).
         let estimate = (((prompt + completion) * u64::from(n)) as f64).min(tokens_cap);
@@ -144,16 +113,17 @@ impl RateLimits {
             None
         };
         if let Some((which, wait)) = refusal {
-            let headers = headers(&limit, requests, tokens);
-            metrics::counter!("cyllm_sidecar_rate_limited_total", "tenant" => label(&state.file, caller), "limit" => which)
+            let headers = limit.headers(requests, tokens);
+            metrics::counter!("cyllm_sidecar_rate_limited_total", "tenant" => state.file.label(caller), "limit" => which)
                 .increment(1);
             let retry_after = Duration::from_secs_f64(wait.clamp(0.0, 86_400.0));
             return Err(SidecarError::RateLimited(caller.to_owned(), Refusal { limit: which, retry_after, headers }));
         }
         buckets.requests.level -= 1.0;
         buckets.held += estimate;
-        report_held(&state.buckets);
-        let headers = headers(&limit, requests - 1.0, tokens - estimate);
+        state.held += estimate;
+        metrics::gauge!("cyllm_sidecar_rate_limit_held_tokens").set(state.held);
+        let headers = limit.headers(requests - 1.0, tokens - estimate);
         let each = estimate / f64::from(n.max(1));
         let charges = (0..n)
             .map(|_| Charge { limits: Some(self.clone()), caller: caller.to_owned(), held: each, prompt, messages: 0, used: None })
@@ -172,7 +142,7 @@ impl RateLimits {
             let mut state = self.state.lock().unwrap();
             if modified != state.modified {
                 state.modified = modified;
-                match read(&path) {
+                match LimitsFile::read(&path) {
                     Ok((file, _)) => {
                         tracing::info!(path = %path.display(), tenants = file.tenants.len(), "rate limits reloaded");
                         metrics::counter!("cyllm_sidecar_rate_limit_reloads_total", "result" => "ok").increment(1);
@@ -187,9 +157,8 @@ impl RateLimits {
             let now = Instant::now();
             let State { file, buckets, .. } = &mut *state;
             buckets.retain(|caller, b| {
-                let limit = limit_of(file, caller);
-                let (rc, rr) = requests_bucket(&limit);
-                let (tc, tr) = tokens_bucket(&limit);
+                let limit = file.limit_of(caller);
+                let ((rc, rr), (tc, tr)) = (limit.requests_bucket(), limit.tokens_bucket());
                 b.held > 0.0 || b.requests.refill(rc, rr, now) < rc || b.tokens.refill(tc, tr, now) < tc
             });
         }
@@ -197,13 +166,20 @@ impl RateLimits {
 
     fn settle(&self, caller: &str, held: f64, used: f64) {
         let mut state = self.state.lock().unwrap();
-        let label = label(&state.file, caller);
-        if let Some(buckets) = state.buckets.get_mut(caller) {
-            // A hold split over n choices may not sum back exactly: what is left under a token is none.
-            buckets.held = if buckets.held - held < 1e-3 { 0.0 } else { buckets.held - held };
+        let label = state.file.label(caller);
+        let State { buckets, held: total, .. } = &mut *state;
+        if let Some(buckets) = buckets.get_mut(caller) {
+            // A hold split over n choices may not sum back exactly: what is left under a
+            // thousandth of a token is none.
+            let left = if buckets.held - held < 1e-3 { 0.0 } else { buckets.held - held };
+            *total -= buckets.held - left;
+            buckets.held = left;
             buckets.tokens.level -= used;
         }
-        report_held(&state.buckets);
+        if *total < 1e-3 {
+            *total = 0.0;
+        }
+        metrics::gauge!("cyllm_sidecar_rate_limit_held_tokens").set(*total);
         metrics::counter!("cyllm_sidecar_tenant_tokens_total", "tenant" => label).increment(used as u64);
     }
 
@@ -254,34 +230,6 @@ impl Drop for Charge {
     }
 }
 
-fn report_held(buckets: &HashMap<String, Buckets>) {
-    metrics::gauge!("cyllm_sidecar_rate_limit_held_tokens").set(buckets.values().map(|b| b.held).sum::<f64>());
-}
-
-fn read(path: &std::path::Path) -> anyhow::Result<(LimitsFile, Option<SystemTime>)> {
-    let modified = std::fs::metadata(path).and_then(|m| m.modified()).ok();
-    Ok((LimitsFile::parse(&std::fs::read_to_string(path)?)?, modified))
-}
-
-fn limit_of(file: &LimitsFile, caller: &str) -> Limit {
-    file.tenants.get(caller).copied().unwrap_or(file.default)
-}
-
-/// A burst of one second's requests (at least one); unlimited is an always-full bucket.
-fn requests_bucket(limit: &Limit) -> (f64, f64) {
-    limit.requests_per_s.map_or((f64::INFINITY, f64::INFINITY), |r| (r.max(1.0), r))
-}
-
-/// A burst of one minute's tokens.
-fn tokens_bucket(limit: &Limit) -> (f64, f64) {
-    limit.tokens_per_min.map_or((f64::INFINITY, f64::INFINITY), |t| (t, t / 60.0))
-}
-
-/// Callers named in the file by name; everyone else (unbounded names from headers) as `other`.
-fn label(file: &LimitsFile, caller: &str) -> String {
-    if file.tenants.contains_key(caller) { caller.to_owned() } else { "other".to_owned() }
-}
-
 fn prompt_estimate(request: &PredictRequest) -> u64 {
     let bytes = match &request.input {
         Some(Input::Prompt(prompt)) => prompt.len(),
@@ -290,32 +238,6 @@ fn prompt_estimate(request: &PredictRequest) -> u64 {
         None => 0,
     } as u64;
     bytes.div_ceil(BYTES_PER_TOKEN)
-}
-
-/// OpenAI's headers: limit, remaining, and time until the bucket is full again, per limit set.
-fn headers(limit: &Limit, requests: f64, tokens: f64) -> Vec<(&'static str, String)> {
-    let per_limit = [
-        (limit.requests_per_s, requests_bucket(limit), requests,
-         ["x-ratelimit-limit-requests", "x-ratelimit-remaining-requests", "x-ratelimit-reset-requests"]),
-        (limit.tokens_per_min, tokens_bucket(limit), tokens,
-         ["x-ratelimit-limit-tokens", "x-ratelimit-remaining-tokens", "x-ratelimit-reset-tokens"]),
-    ];
-    let set = per_limit.into_iter().filter(|(value, ..)| value.is_some());
-    set.flat_map(|(_, (cap, rate), left, [limit, remaining, reset])| {
-        [(limit, format!("{}", cap.floor())), (remaining, format!("{}", left.max(0.0).floor())),
-         (reset, duration_text((cap - left).max(0.0) / rate))]
-    })
-    .collect()
-}
-
-/// OpenAI's duration form: "20ms", "1.5s", "6m0s".
-pub fn duration_text(seconds: f64) -> String {
-    if seconds < 1.0 {
-        return format!("{}ms", (seconds * 1000.0).ceil() as u64);
-    }
-    let minutes = (seconds / 60.0).floor();
-    let rest = ((seconds - minutes * 60.0) * 10.0).ceil() / 10.0;
-    if minutes >= 1.0 { format!("{minutes}m{rest}s") } else { format!("{rest}s") }
 }
 
 #[cfg(test)]
@@ -349,8 +271,11 @@ mod tests {
         assert_eq!((caller.as_str(), refusal.limit), ("a", "requests"));
         assert!(refusal.retry_after > Duration::from_millis(400) && refusal.retry_after <= Duration::from_millis(500));
         limits.admit("b", &request(8, 4), 1).expect("each caller has a bucket of its own");
-        std::thread::sleep(Duration::from_millis(520));
-        limits.admit("a", &request(8, 4), 1).expect("refilled at 2 a second");
+        // Refilled at 2 a second: one more request after half a second.
+        let at = Instant::now();
+        let mut bucket = Bucket { level: 0.0, at };
+        assert!(bucket.refill(2.0, 2.0, at + Duration::from_millis(520)) >= 1.0, "refilled at 2 a second");
+        assert_eq!(bucket.refill(2.0, 2.0, at + Duration::from_secs(5)), 2.0, "up to one second's requests");
     }
 
     #[test]
@@ -399,21 +324,5 @@ mod tests {
         let big = limits.admit("d", &request(4000, 4000), 1).expect("capped at the bucket");
         assert!(limits.admit("d", &request(4, 1), 1).is_err(), "the whole budget is held");
         drop(big);
-    }
-
-    #[test]
-    fn the_file_is_checked() {
-        assert!(LimitsFile::parse(r#"{"default": {"requests_per_s": 0}}"#).is_err());
-        assert!(LimitsFile::parse(r#"{"default": {"request_per_s": 3}}"#).is_err(), "unknown keys are refused");
-        let file = LimitsFile::parse(r#"{"tenants": {"a": {"tokens_per_min": 10}}}"#).unwrap();
-        assert_eq!(file.tenants["a"].tokens_per_min, Some(10.0));
-        assert_eq!(file.default, Limit::default());
-    }
-
-    #[test]
-    fn durations_read_like_openai_s() {
-        assert_eq!(duration_text(0.02), "20ms");
-        assert_eq!(duration_text(1.5), "1.5s");
-        assert_eq!(duration_text(360.0), "6m0s");
     }
 }
