@@ -11,7 +11,7 @@ times the blocks, lanes and rate), the reference for the prefix-cache hit rate.
 
 The workload: chats of --turns turns, each opening with one of three shared system prompts of
 500-1,000 tokens; each turn sends the whole history (every earlier answer included), a user message
-of 40-120 words, and appends the answer. The chats start --stagger s apart and wait --think s
+(10-40 words on the native setup, 40-120 on the synthetic one), and appends the answer. The chats start --stagger s apart and wait --think s
 between turns; questions, prompts and start times come from each of --seeds, so a run replays.
 
 Per policy: prefix-cache hit rate (the workers' own counters), TTFT p50/p99 (first streamed
@@ -269,8 +269,8 @@ def plot(result: dict, path: Path) -> None:
 
 
 SETUPS = {
-    "native": Setup("native", workers=2, chats=8, turns=5, max_tokens=16, think_s=0.5, stagger_s=1.0,
-                    question_words=(40, 120)),
+    "native": Setup("native", workers=2, chats=8, turns=8, max_tokens=48, think_s=0.5, stagger_s=1.0,
+                    question_words=(10, 40)),
     "synthetic": Setup("synthetic", workers=4, chats=96, turns=6, max_tokens=16, think_s=0.3, stagger_s=0.1,
                        question_words=(40, 120)),
 }
