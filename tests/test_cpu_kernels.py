@@ -1,22 +1,32 @@
 """The native engine's C++ CPU kernels (worker/engines/native/csrc/) against the torch paths they
-replace, and what the engine does where they cannot be built."""
+replace, built for every instruction set this CPU runs (an AVX-512 machine tests its AVX2 and plain
+C++ builds too), and what the engine does where they cannot be built."""
 
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from worker.config_loader import load_config
+from worker.deps.hardware import isa_environment, runnable_isas, this_cpu
 from worker.engines.native import kernels
 from worker.engines.native.attention import decode_attention, gather_attention
 
 pytestmark = pytest.mark.skipif(not shutil.which("c++"), reason="no C++ compiler: the kernels cannot be built here")
+# The folder the engine tests' configs name, so one build serves the whole run.
+KERNEL_DIR = load_config(None, {"HOME": "/tmp"}).engine.kernel_dir
 
 
-@pytest.fixture(scope="module")
-def built():
-    # The folder the engine tests' configs name, so one build serves the whole run.
-    assert kernels.load(load_config(None, {"HOME": "/tmp"}).engine.kernel_dir) == "built"
+@pytest.fixture(params=runnable_isas(*this_cpu()))
+def built(request, monkeypatch):
+    """The kernels of one ISA are what kernels.py's functions call for the test; the engine's after."""
+    monkeypatch.setattr(kernels, "_active", kernels.active())
+    assert kernels.load(KERNEL_DIR, request.param) == "built"
+    return request.param
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -50,13 +60,50 @@ def test_paged_decode_reads_a_transposed_query(built):
 
 
 def test_a_folder_that_cannot_be_written_says_why_and_leaves_the_torch_paths(tmp_path, monkeypatch):
-    monkeypatch.setattr(kernels, "_loaded", False)
+    monkeypatch.setattr(kernels, "_active", None)
+    monkeypatch.setattr(kernels, "_libraries", {})
     blocked = tmp_path / "file"
     blocked.write_text("")
-    status = kernels.load(str(blocked / "kernels"))
+    status = kernels.load(str(blocked / "kernels"), "default")
     assert status.startswith("not built: ") and "file" in status
     assert not kernels.loaded()
-    assert kernels.load("") == "off: engine.kernel_dir is empty"
+    assert kernels.load("", "default") == "off: engine.kernel_dir is empty"
+
+
+def test_an_isa_this_cpu_cannot_run_is_refused_and_auto_is_its_best():
+    runnable = runnable_isas(*this_cpu())
+    assert kernels.resolve("auto") == runnable[0] and runnable[-1] == "default"
+    foreign = "neon" if this_cpu()[0] == "x86_64" else "avx2"
+    with pytest.raises(ValueError, match=f"{foreign} does not run on this CPU; it runs {runnable[0]}"):
+        kernels.resolve(foreign)
+
+
+def test_an_isa_below_the_best_limits_onednn_and_aten_before_torch_starts():
+    avx512 = frozenset({"avx2", "fma", "f16c", "bmi2", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"})
+    assert isa_environment("avx2", "x86_64", avx512) == {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+    assert isa_environment("auto", "x86_64", avx512) == isa_environment("avx512", "x86_64", avx512) == {}
+    assert isa_environment("avx2", "x86_64", avx512 - {"avx512f"}) == {}  # already the best: nothing to limit
+    if "avx512" not in runnable_isas(*this_cpu()):
+        return
+    # What `cy-llm serve --set engine.cpu_isa=avx2` does first, in a process of its own.
+    probe = ("from worker.cli import _limit_cpu_isa; _limit_cpu_isa('avx2'); import torch; "
+             "print(torch.backends.cpu.get_cpu_capability(), torch.ops.mkldnn._is_mkldnn_bf16_supported())")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                            env={k: v for k, v in os.environ.items() if k not in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")})
+    assert result.stdout.split() == ["AVX2", "False"]
+
+
+@pytest.mark.skipif(not shutil.which("aarch64-linux-gnu-g++"), reason="no arm64 cross compiler (.ci/run installs "
+                    "Debian's g++-aarch64-linux-gnu)")
+@pytest.mark.parametrize("source", kernels.SOURCES, ids=lambda path: path.stem)
+def test_the_neon_build_compiles_for_arm64(source, tmp_path):
+    """The NEON path cannot run here; each source still compiles for armv8.2-a against torch's headers."""
+    include = Path(torch.__file__).parent / "include"
+    result = subprocess.run(["aarch64-linux-gnu-g++", "-std=c++20", "-fPIC", "-isystem", str(include), "-isystem",
+                             str(include / "torch" / "csrc" / "api" / "include"), *kernels.compile_flags("neon"), "-c",
+                             str(source), "-o", str(tmp_path / "out.o")], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "aarch64" in subprocess.run(["file", str(tmp_path / "out.o")], capture_output=True, text=True).stdout
 
 
 def test_paged_decode_refuses_a_table_that_points_outside_the_cache(built):
@@ -100,7 +147,7 @@ def test_rope_and_store_matches_the_torch_path(built, dtype, monkeypatch):
     slots = torch.tensor([3, 17, 18, 40, 63])
     caches = [torch.zeros(64, kv_heads, dim, dtype=dtype) for _ in range(4)]
     q_out, k_out = rope_and_store(q, k, v, cos, sin, caches[0], caches[1], slots, rotate)
-    monkeypatch.setattr(kernels, "_loaded", False)
+    monkeypatch.setattr(kernels, "_active", None)
     q_ref, k_ref = rope_and_store(q, k, v, cos, sin, caches[2], caches[3], slots, rotate)
     for out, expected in ((q_out, q_ref), (k_out, k_ref), (caches[0], caches[2]), (caches[1], caches[3])):
         torch.testing.assert_close(out, expected, atol=0, rtol=0)  # the same roundings, to the bit

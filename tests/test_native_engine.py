@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from worker.config_loader import load_config
+from worker.deps.hardware import runnable_isas, this_cpu
 from worker.engines.native import kernels
 from worker.engines.native.engine import NativeEngine
 from worker.engines.native.model import Batch, load_model
@@ -75,14 +76,16 @@ def test_one_step_logits_match(hf_reference, embedded_model):
     torch.testing.assert_close(model(batch, k, v)[0], reference, atol=1e-3, rtol=1e-4)
 
 
-@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["cpu-kernels", "torch-paths"])
-async def test_greedy_tokens_match_hf_one_by_one_and_batched(hf_reference, embedded_model, cpu_kernels, monkeypatch):
+@pytest.mark.parametrize("cpu_isa", [*runnable_isas(*this_cpu()), None],
+                         ids=lambda isa: f"cpu-kernels-{isa}" if isa else "torch-paths")
+async def test_greedy_tokens_match_hf_one_by_one_and_batched(hf_reference, embedded_model, cpu_isa, monkeypatch):
+    """Every instruction set's kernels (an AVX-512 machine runs its AVX2 build too), and the paths of
+    a machine without a C++ compiler."""
     _, prompts, expected = hf_reference
-    if not cpu_kernels:  # the paths of a machine without a C++ compiler
-        monkeypatch.setattr(kernels, "_loaded", False)
-    engine = engine_for(embedded_model, **({} if cpu_kernels else {"engine.kernel_dir": ""}))
+    monkeypatch.setattr(kernels, "_active", None)
+    engine = engine_for(embedded_model, **({"engine.cpu_isa": cpu_isa} if cpu_isa else {"engine.kernel_dir": ""}))
     await engine.load_model()
-    assert kernels.loaded() == cpu_kernels or not shutil.which("c++")
+    assert kernels.active() == (cpu_isa if shutil.which("c++") else None)
     try:
         assert await generate(engine, prompts, together=False) == expected
         assert await generate(engine, prompts, together=True) == expected

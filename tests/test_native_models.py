@@ -30,9 +30,9 @@ def test_prompt_and_decode_logits_match_hf(tiny_model, family, config, cpu_kerne
     if cpu_kernels:
         if not shutil.which("c++"):
             pytest.skip("no C++ compiler: the kernels cannot be built here")
-        assert kernels.load(load_config(None, {"HOME": "/tmp"}).engine.kernel_dir) == "built"
+        assert kernels.load(load_config(None, {"HOME": "/tmp"}).engine.kernel_dir, kernels.resolve("auto")) == "built"
     else:
-        monkeypatch.setattr(kernels, "_loaded", False)
+        monkeypatch.setattr(kernels, "_active", None)
     folder = tiny_model(family, **config)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     model = load_model(folder, torch.float32, torch.device("cpu"))

@@ -32,7 +32,18 @@ def _build_config(args: argparse.Namespace) -> Config:
         if not sep:
             raise ConfigError(key, "--set takes SECTION.KEY=VALUE")
         overrides[key.strip()] = value
-    return load_config(args.config or os.environ.get("CYLLM_CONFIG"), os.environ, overrides)
+    config = load_config(args.config or os.environ.get("CYLLM_CONFIG"), os.environ, overrides)
+    _limit_cpu_isa(config.engine.cpu_isa)
+    return config
+
+
+def _limit_cpu_isa(isa: str) -> None:
+    """engine.cpu_isa below the CPU's best: oneDNN and ATen take their limit only from the
+    environment, read once, at their first op; nothing has run one yet."""
+    from worker.deps.hardware import isa_environment, this_cpu
+
+    for key, value in isa_environment(isa, *this_cpu()).items():
+        os.environ.setdefault(key, value)
 
 
 def _parser() -> argparse.ArgumentParser:

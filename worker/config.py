@@ -106,8 +106,12 @@ class EngineConfig:
     args: dict[str, Any] = field(default_factory=dict)
     """Engine-specific arguments, passed through to the engine and checked there."""
     kernel_dir: str = ""
-    """Where the native engine compiles its CPU kernels (once per torch version, CPU model and
-    source); empty: none are built and its plain torch paths run."""
+    """Where the native engine compiles its CPU kernels (once per torch version, CPU model,
+    instruction set and source); empty: none are built and its plain torch paths run."""
+    cpu_isa: str = "auto"
+    """auto | avx512 | avx2 | neon | default: the instruction set of the CPU engines' kernels (native's
+    C++ ones, oneDNN's linear layers, torch's own, vLLM's); auto is the CPU's best. One below it
+    runs what an older CPU would (avx2 on an AVX-512 machine measures and tests the AVX2 paths)."""
     use_preset: bool = True
     """Apply the dependency registry's preset for the detected (hardware, engine) to whatever
     this config leaves unset."""
@@ -119,6 +123,8 @@ class EngineConfig:
             raise ConfigError("engine.model", "must be set")
         if self.dtype not in {"auto", "float32", "bfloat16", "float16"}:
             raise ConfigError("engine.dtype", f"{self.dtype!r} is not auto|float32|bfloat16|float16")
+        if self.cpu_isa not in {"auto", "avx512", "avx2", "neon", "default"}:
+            raise ConfigError("engine.cpu_isa", f"{self.cpu_isa!r} is not auto|avx512|avx2|neon|default")
         if not (self.device in {"auto", "cpu", "cuda"} or self.device.startswith("cuda:")):
             raise ConfigError("engine.device", f"{self.device!r} is not auto|cpu|cuda|cuda:N")
         _check_range("engine.max_model_len", self.max_model_len, 0, 10_000_000)

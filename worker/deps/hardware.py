@@ -108,6 +108,15 @@ def cpu_flags(cpuinfo: str) -> frozenset[str]:
     return frozenset()
 
 
+def this_cpu(cpuinfo: str | None = None, machine: str | None = None) -> tuple[str, frozenset[str]]:
+    """(architecture, flags) of the CPU this runs on, or of a recorded /proc/cpuinfo and machine."""
+    if cpuinfo is None:
+        path = Path("/proc/cpuinfo")
+        cpuinfo = path.read_text() if path.exists() else ""
+    arch = {"arm64": "aarch64", "amd64": "x86_64"}.get(machine or platform.machine(), machine or platform.machine())
+    return arch, cpu_flags(cpuinfo)
+
+
 def detect_hardware(
     nvml: Any | None = None,
     cpuinfo: str | None = None,
@@ -120,11 +129,7 @@ def detect_hardware(
             import pynvml as nvml
         except ImportError:
             nvml = None
-    if cpuinfo is None:
-        path = Path("/proc/cpuinfo")
-        cpuinfo = path.read_text() if path.exists() else ""
-    arch = {"arm64": "aarch64", "amd64": "x86_64"}.get(machine or platform.machine(), machine or platform.machine())
-    flags = cpu_flags(cpuinfo)
+    arch, flags = this_cpu(cpuinfo, machine)
     gpus, driver = nvidia_gpus(nvml) if nvml is not None else ((), None)
     if gpus:
         names = {g.name for g in gpus}
@@ -136,3 +141,28 @@ def detect_hardware(
     if npus := ascend_npus(run):
         return HardwareProfile("ascend", arch, flags, npus)
     return HardwareProfile("cpu", arch, flags)
+
+
+# The instruction sets the CPU kernels are built for (engine.cpu_isa), best first: the architecture
+# each runs on and the CPU flags it needs (x86-64-v4 and -v3's vector parts; NEON is armv8's).
+CPU_ISAS = {
+    "avx512": ("x86_64", frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"})),
+    "avx2": ("x86_64", frozenset({"avx2", "fma", "f16c", "bmi2"})),
+    "neon": ("aarch64", frozenset({"asimd"})),
+    "default": (None, frozenset()),
+}
+
+
+def runnable_isas(arch: str, flags: frozenset[str]) -> list[str]:
+    """engine.cpu_isa values this CPU runs, best first ("default": plain C++, any CPU)."""
+    return [isa for isa, (needs_arch, needs) in CPU_ISAS.items() if needs_arch in (None, arch) and needs <= flags]
+
+
+def isa_environment(isa: str, arch: str, flags: frozenset[str]) -> dict[str, str]:
+    """What oneDNN (the linear layers) and ATen (torch's own CPU kernels) read from the environment,
+    once, before their first op, to keep below this CPU's best ISA: empty for auto and the best."""
+    runnable = runnable_isas(arch, flags)
+    if isa == "auto" or isa not in runnable or isa == runnable[0]:
+        return {}
+    return {"avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"},
+            "default": {"ONEDNN_MAX_CPU_ISA": "SSE41", "ATEN_CPU_CAPABILITY": "default"}}.get(isa, {})

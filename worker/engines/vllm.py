@@ -93,6 +93,15 @@ class VLLMEngine(BaseEngine):
         # vLLM takes this only from the environment, and before its engine modules are imported; one
         # process starts fastest and is what a single-GPU or CPU worker needs.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if self.config.engine.args.get("multiprocessing") else "0"
+        isa = self.config.engine.cpu_isa
+        if isa not in ("auto", "avx512", "avx2"):
+            raise ConfigError("engine.cpu_isa", f"vLLM's CPU kernels are built for avx512 and avx2, not {isa}")
+        if isa == "avx2":
+            # vLLM picks its kernel library (_C or _C_AVX2) from torch's AVX-512 probe, which no
+            # setting reaches: answered here, before vLLM imports it.
+            import torch.cpu
+
+            torch.cpu._is_avx512_supported = lambda: False
         from transformers import AutoTokenizer
         from vllm.v1.engine.async_llm import AsyncLLM
 

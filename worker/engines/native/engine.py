@@ -83,10 +83,14 @@ class NativeEngine(ThreadedEngine):
             raise ConfigError("engine.args.quantization", f"int4 runs on CPU; the device is {self.device}")
         dtype = DTYPES.get(engine.dtype) or (
             torch.bfloat16 if self.device.type == "cuda" or self.quantization == "int4" else torch.float32)
-        kernels = cpu_kernels.load(engine.kernel_dir) if self.device.type == "cpu" else None
-        if kernels and kernels.startswith("not built"):
-            log.warning("CPU kernels not built; the torch paths run instead", reason=kernels,
-                        kernel_dir=engine.kernel_dir)
+        kernels = None
+        if self.device.type == "cpu":
+            try:
+                kernels = cpu_kernels.load(engine.kernel_dir, cpu_kernels.resolve(engine.cpu_isa))
+            except ValueError as exc:
+                raise ConfigError("engine.cpu_isa", str(exc)) from exc
+            if kernels.startswith("not built"):
+                log.warning("CPU kernels not built; the torch paths run instead", reason=kernels, kernel_dir=engine.kernel_dir)
         cores = len(os.sched_getaffinity(0))
         torch.set_num_threads(cores)  # packing the weights for oneDNN (CPU) takes most of the load
         try:
@@ -129,7 +133,8 @@ class NativeEngine(ThreadedEngine):
         )
         log.info("native engine ready", folder=str(folder), device=str(self.device), dtype=str(dtype),
                  kv_blocks=num_blocks, block_size=block_size, budget_tokens=num_blocks * block_size,
-                 cuda_graphs=self.graphs.sizes if self.graphs else None, cpu_kernels=kernels)
+                 cuda_graphs=self.graphs.sizes if self.graphs else None, cpu_kernels=kernels,
+                 cpu_isa=cpu_kernels.active())
 
     def _kv_memory(self) -> int:
         weights = self.model.weight_bytes()

@@ -1,22 +1,25 @@
 """The native engine's C++ kernels for CPUs (csrc/), compiled on first use for the CPU that runs them.
 
-torch's cpp_extension builds them with the machine's C++ compiler and ninja (~10 s on 2 cores) into
-`engine.kernel_dir`, one folder per torch install, CPU and source: `-march=native` ties the binary to
-the CPU, and a cache folder may be shared by several machines (a volume, a home directory on NFS) or
-by two versions of cy-llm, which would otherwise rebuild over each other's library. Later starts
-load the built library in milliseconds. Where nothing can be built (no compiler), the engine runs
-the plain torch paths of attention.py and elementwise.py, layer by layer from model.py, which give
-the same greedy tokens (tests/test_native_engine.py runs both against HF) more slowly.
+One source over ATen's vector type (csrc/vec.h), built once per instruction set (engine.cpu_isa):
+avx512 (x86-64-v4), avx2 (x86-64-v3), neon (armv8.2-a) or default (plain C++), each a library of
+its own whose ops are torch.ops.cyllm_<isa>.*; auto takes the CPU's best. torch's cpp_extension
+builds them with the machine's C++ compiler and ninja (~10 s on 2 cores) into `engine.kernel_dir`,
+one folder per torch install, CPU, source and ISA: `-mtune=native` ties the binary to the CPU, and
+a cache folder may be shared by several machines (a volume, a home directory on NFS) or by two
+versions of cy-llm, which would otherwise rebuild over each other's library. Later starts load the
+built library in milliseconds. Where nothing can be built (no compiler), the engine runs the plain
+torch paths of attention.py and elementwise.py, layer by layer from model.py, which give the same
+greedy tokens (tests/test_native_engine.py runs both against HF) more slowly.
 
-- torch.ops.cyllm.paged_decode(q, k_cache, v_cache, tables, lens, block_size, scale): decode
-  attention read in place from the paged cache (csrc/cpu_attention.cpp).
-- torch.ops.cyllm.add_rms_norm(x, residual, weight, eps): the residual add and RMS norm of every
-  layer in one pass (csrc/cpu_norm.cpp).
-- torch.ops.cyllm.rope_and_store(q, k, v, cos, sin, k_cache, v_cache, slots): rotary embedding of q
-  and k and the cache writes of k and v (csrc/cpu_rope.cpp).
-- torch.ops.cyllm.silu_and_mul(gate_up): the MLP's activation (csrc/cpu_activation.cpp).
-- torch.ops.cyllm.decode_layers(...): every decoder layer of an all-decode step in one call, out of
-  the kernels above and the linear layers' ops (csrc/cpu_decoder.cpp).
+- paged_decode(q, k_cache, v_cache, tables, lens, block_size, scale): decode attention read in
+  place from the paged cache (csrc/cpu_attention.cpp).
+- add_rms_norm(x, residual, weight, eps): the residual add and RMS norm of every layer in one pass
+  (csrc/cpu_norm.cpp).
+- rope_and_store(q, k, v, cos, sin, k_cache, v_cache, slots): rotary embedding of q and k and the
+  cache writes of k and v (csrc/cpu_rope.cpp).
+- silu_and_mul(gate_up): the MLP's activation (csrc/cpu_activation.cpp).
+- decode_layers(...): every decoder layer of an all-decode step in one call, out of the kernels
+  above and the linear layers' ops (csrc/cpu_decoder.cpp).
 """
 
 from __future__ import annotations
@@ -25,68 +28,104 @@ import hashlib
 import platform
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+
+from worker.deps.hardware import runnable_isas, this_cpu
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / f"cpu_{name}.cpp" for name in ("attention", "norm", "rope", "activation", "decoder")]
 HEADERS = [CSRC / "ops.h", CSRC / "vec.h"]
-_loaded = False
+# Per ISA: the compiler's target, and the CPU_CAPABILITY that picks ATen's vector implementation
+# (NEON's comes with the default one on aarch64).
+TARGETS = {"avx512": (["-march=x86-64-v4", "-mtune=native"], "AVX512"),
+           "avx2": (["-march=x86-64-v3", "-mtune=native"], "AVX2"),
+           "neon": (["-march=armv8.2-a"], "DEFAULT"),
+           "default": ([], "DEFAULT")}
+_libraries: dict[str, Any] = {}  # ISA -> its torch.ops namespace, once built and loaded
+_active: str | None = None  # the ISA whose ops the functions below call
 
 
-def load(kernel_dir: str) -> str:
-    """Builds (or finds built) and registers torch.ops.cyllm.*: "built", or why not (no compiler,
-    no ninja, a build error: its first line that says error)."""
-    global _loaded
-    if _loaded:
-        return "built"
+def resolve(setting: str) -> str:
+    """engine.cpu_isa -> the ISA to build: auto is the CPU's best; one it cannot run is refused."""
+    runnable = runnable_isas(*this_cpu())
+    if setting == "auto":
+        return runnable[0]
+    if setting not in runnable:
+        raise ValueError(f"{setting} does not run on this CPU; it runs {', '.join(runnable)}")
+    return setting
+
+
+def compile_flags(isa: str) -> list[str]:
+    target, capability = TARGETS[isa]
+    # -fopenmp: at::parallel_for is inline OpenMP code; the library then uses the libgomp torch loaded.
+    # -ffp-contract=off: a * b + c stays two roundings, as in torch's ops (intrinsics still fuse).
+    return ["-O3", *target, "-ffp-contract=off", "-fopenmp", f"-DCPU_CAPABILITY={capability}",
+            f"-DCPU_CAPABILITY_{capability}", f"-DCYLLM_OPS=cyllm_{isa}"]
+
+
+def load(kernel_dir: str, isa: str) -> str:
+    """Builds (or finds built) and registers torch.ops.cyllm_<isa>.*, whose ops the functions below
+    then call: "built", or why not (no compiler, no ninja, a build error: its first line that says
+    error)."""
+    global _active
     if not kernel_dir:
         return "off: engine.kernel_dir is empty"
-    try:
-        from torch.utils.cpp_extension import load as build
+    if isa not in _libraries:
+        try:
+            from torch.utils.cpp_extension import load as build
 
-        folder = Path(kernel_dir) / f"torch-{torch.__version__}-{_build_key()}"
-        folder.mkdir(parents=True, exist_ok=True)
-        # -fopenmp: at::parallel_for is inline OpenMP code; the library then uses the libgomp torch loaded.
-        # -ffp-contract=off: a * b + c stays two roundings, as in torch's ops (intrinsics still fuse).
-        build(name="cyllm_cpu", sources=[str(s) for s in SOURCES], build_directory=str(folder), is_python_module=False,
-              extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"])
-    except (RuntimeError, OSError, ImportError) as exc:
-        lines = str(exc).strip().splitlines()
-        errors = [line.strip() for line in lines if "error" in line.lower()]  # a compiler's first error says most
-        return f"not built: {(errors or lines or [type(exc).__name__])[0]}"
-    _loaded = True
+            folder = Path(kernel_dir) / f"torch-{torch.__version__}-{_build_key()}" / isa
+            folder.mkdir(parents=True, exist_ok=True)
+            build(name=f"cyllm_cpu_{isa}", sources=[str(s) for s in SOURCES], build_directory=str(folder),
+                  is_python_module=False, extra_cflags=compile_flags(isa), extra_ldflags=["-fopenmp"])
+        except (RuntimeError, OSError, ImportError) as exc:
+            lines = str(exc).strip().splitlines()
+            errors = [line.strip() for line in lines if "error" in line.lower()]  # a compiler's first error says most
+            return f"not built: {(errors or lines or [type(exc).__name__])[0]}"
+        _libraries[isa] = getattr(torch.ops, f"cyllm_{isa}")
+    _active = isa
     return "built"
 
 
 def loaded() -> bool:
-    return _loaded
+    return _active is not None
+
+
+def active() -> str | None:
+    """The ISA whose kernels run, None before one is loaded."""
+    return _active
+
+
+def _ops() -> Any:
+    return _libraries[_active]
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                  lens: torch.Tensor, block_size: int) -> torch.Tensor:
     """attention.decode_attention's contract: q (B, H, D); tables (B, max_blocks) int32; lens (B,)."""
-    return torch.ops.cyllm.paged_decode(q.contiguous(), k_cache, v_cache, tables, lens.to(torch.int32), block_size,
+    return _ops().paged_decode(q.contiguous(), k_cache, v_cache, tables, lens.to(torch.int32), block_size,
                                         q.shape[-1] ** -0.5)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """elementwise.add_rms_norm's contract (x + residual, its norm); residual None: (x, norm of x)."""
-    return torch.ops.cyllm.add_rms_norm(x, residual, weight, eps)
+    return _ops().add_rms_norm(x, residual, weight, eps)
 
 
 def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """attention.rope_and_store's contract; cos and sin (T, 1, D)."""
     tokens, dim = q.shape[0], q.shape[-1]
-    return torch.ops.cyllm.rope_and_store(q, k, v, cos.reshape(tokens, dim), sin.reshape(tokens, dim), k_cache, v_cache,
+    return _ops().rope_and_store(q, k, v, cos.reshape(tokens, dim), sin.reshape(tokens, dim), k_cache, v_cache,
                                           slots)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """elementwise.silu_and_mul's contract: gate_up (T, 2I) -> (T, I)."""
-    return torch.ops.cyllm.silu_and_mul(gate_up)
+    return _ops().silu_and_mul(gate_up)
 
 
 @dataclass(frozen=True)
@@ -108,7 +147,7 @@ def decode_layers(x: torch.Tensor, layers: LayerWeights, k_caches: torch.Tensor,
     """The decoder layers of a step whose T tokens are all decodes: x (T, hidden) embedded; cos and
     sin (T, 1, D); caches (layers, slots, kv_heads, D). Returns (last MLP output, residual)."""
     tokens, dim = x.shape[0], k_caches.shape[-1]
-    return torch.ops.cyllm.decode_layers(x, layers.norms, layers.weights, layers.scales, layers.biases, k_caches,
+    return _ops().decode_layers(x, layers.norms, layers.weights, layers.scales, layers.biases, k_caches,
                                          v_caches, cos.reshape(tokens, dim), sin.reshape(tokens, dim), slots, tables,
                                          lens, layers.heads, block_size, layers.eps, layers.group)
 

@@ -2,7 +2,7 @@
 //
 // torch's roundings: silu(gate) is computed in fp32 and rounded to the dtype before up multiplies it.
 // In torch this was three ops a layer (a chunk, silu, a product) and two intermediate tensors; a
-// plain-loop version was slower than torch's (its exp was not vectorized), hence exp16.
+// plain-loop version was slower than torch's (its exp was not vectorized), hence vec.h's vexp.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -14,7 +14,7 @@
 #include "ops.h"
 #include "vec.h"
 
-namespace cyllm {
+namespace cyllm::CYLLM_OPS {
 namespace {
 
 template <typename T>
@@ -25,18 +25,16 @@ void silu_rows(const T* gate_up, T* out, int64_t rows, int64_t size, int64_t str
       const T *gate = gate_up + row * stride, *up = gate + size;
       T* o = out + row * size;
       int64_t c = col;
-#ifdef __AVX512F__
-      for (; c + 16 <= stop; c += 16) {
-        __m512 g = load16(gate + c);
-        __m512 act = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+      for (; c + W <= stop; c += W) {
+        const fvec g = load(gate + c);
+        fvec act = g / (fvec(1.f) + vexp(fvec(0.f) - g));
         if constexpr (!std::is_same_v<T, float>) {  // rounded to the dtype, as torch's silu returns it
-          alignas(64) T rounded[16];
-          store16(rounded, act);
-          act = load16(rounded);
+          alignas(64) T rounded[W];
+          store(rounded, act);
+          act = load(rounded);
         }
-        store16(o + c, _mm512_mul_ps(act, load16(up + c)));
+        store(o + c, act * load(up + c));
       }
-#endif
       for (; c < stop; ++c) {
         const float g = static_cast<float>(gate[c]);
         o[c] = T(static_cast<float>(T(g / (1.f + std::exp(-g)))) * static_cast<float>(up[c]));
@@ -62,9 +60,9 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   return out;
 }
 
-}  // namespace cyllm
+}  // namespace cyllm::CYLLM_OPS
 
-TORCH_LIBRARY_FRAGMENT(cyllm, m) {
+TORCH_LIBRARY_FRAGMENT(CYLLM_OPS, m) {
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
-  m.impl("silu_and_mul", c10::DispatchKey::CPU, &cyllm::silu_and_mul);
+  m.impl("silu_and_mul", c10::DispatchKey::CPU, &cyllm::CYLLM_OPS::silu_and_mul);
 }

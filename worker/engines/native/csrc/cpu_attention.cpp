@@ -11,55 +11,42 @@
 
 #include <algorithm>
 #include <cmath>
+#include <numeric>
 #include <vector>
 
 #include "ops.h"
 #include "vec.h"
 
-namespace cyllm {
+namespace cyllm::CYLLM_OPS {
 namespace {
-
-#ifdef __AVX512F__
-// 16 vectors -> one vector of their 16 sums (lane i: the sum of s[i]'s lanes), in 15 adds.
-inline __m512 sum16x16(__m512* s) {
-  for (int i = 0; i < 8; ++i)  // lane k of 128 bits: halves of s[2i]'s and s[2i+1]'s lane-k sums
-    s[i] = _mm512_add_ps(_mm512_unpacklo_ps(s[2 * i], s[2 * i + 1]), _mm512_unpackhi_ps(s[2 * i], s[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {  // lane k: the lane-k sums of 4 vectors
-    __m512d a = _mm512_castps_pd(s[2 * i]), b = _mm512_castps_pd(s[2 * i + 1]);
-    s[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  for (int i = 0; i < 2; ++i)  // lanes 0, 1 and 2, 3: two lanes' sums of 4 vectors each
-    s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0x88), _mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0xdd));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(s[0], s[1], 0x88), _mm512_shuffle_f32x4(s[0], s[1], 0xdd));
-}
 
 // A row into the caches: Locality 3 into L1 (needed next), 2 into L2 (needed after the softmax).
 template <int Locality, typename T, int V>
 inline void prefetch(const T* row) {
-  for (int byte = 0; byte < 16 * V * (int)sizeof(T); byte += 64)
+  for (int byte = 0; byte < W * V * (int)sizeof(T); byte += 64)
     __builtin_prefetch(reinterpret_cast<const char*>(row) + byte, 0, Locality);
 }
 
-// G query heads of one KV head over their n context tokens, D = 16 * V. q (G, D) scaled; scores
-// (G, n) scratch; out (G, D). Rows come from scattered blocks: prefetching two tiles of K ahead
-// (and each tile's V for later) took a layer of SmolLM2 at batch 8 from ~110 to ~80 us.
+// G query heads of one KV head over their n context tokens, D = W * V, W tokens a tile. q (G, D)
+// scaled; scores (G, n) scratch; out (G, D). Rows come from scattered blocks: prefetching two tiles
+// of K ahead (and each tile's V for later) took a layer of SmolLM2 at batch 8 from ~110 to ~80 us
+// on AVX-512.
 template <typename T, int V, int G>
-void heads16(const float* q, const T* const* rows_k, const T* const* rows_v, int64_t n, float* scores, float* out) {
-  alignas(64) float tile[16][16 * V];
-  for (int64_t t0 = 0; t0 < n; t0 += 16) {
-    const int64_t m = std::min<int64_t>(16, n - t0);
-    for (int64_t i = t0 + 32; i < std::min(n, t0 + 48); ++i) prefetch<3, T, V>(rows_k[i]);
+void heads_tiled(const float* q, const T* const* rows_k, const T* const* rows_v, int64_t n, float* scores, float* out) {
+  alignas(64) float tile[W][W * V];
+  for (int64_t t0 = 0; t0 < n; t0 += W) {
+    const int64_t m = std::min<int64_t>(W, n - t0);
+    for (int64_t i = t0 + 2 * W; i < std::min(n, t0 + 3 * W); ++i) prefetch<3, T, V>(rows_k[i]);
     for (int64_t i = t0; i < t0 + m; ++i) prefetch<2, T, V>(rows_v[i]);
-    for (int64_t i = 0; i < 16; ++i)
-      for (int j = 0; j < V; ++j) _mm512_store_ps(tile[i] + 16 * j, i < m ? load16(rows_k[t0 + i] + 16 * j) : _mm512_setzero_ps());
+    for (int64_t i = 0; i < W; ++i)
+      for (int j = 0; j < V; ++j) (i < m ? load(rows_k[t0 + i] + W * j) : fvec(0.f)).store(tile[i] + W * j);
     for (int g = 0; g < G; ++g) {
-      __m512 s[16];
-      for (int i = 0; i < 16; ++i) {
-        s[i] = _mm512_mul_ps(_mm512_loadu_ps(q + g * 16 * V), _mm512_load_ps(tile[i]));
-        for (int j = 1; j < V; ++j)
-          s[i] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * 16 * V + 16 * j), _mm512_load_ps(tile[i] + 16 * j), s[i]);
+      fvec s[W];
+      for (int i = 0; i < W; ++i) {
+        s[i] = fvec::loadu(q + g * W * V) * fvec::loadu(tile[i]);
+        for (int j = 1; j < V; ++j) s[i] = at::vec::fmadd(fvec::loadu(q + g * W * V + W * j), fvec::loadu(tile[i] + W * j), s[i]);
       }
-      _mm512_mask_storeu_ps(scores + g * n + t0, (__mmask16)((1u << m) - 1), sum16x16(s));
+      sum_lanes(s).store(scores + g * n + t0, m);
     }
   }
   float inv[G];
@@ -67,46 +54,65 @@ void heads16(const float* q, const T* const* rows_k, const T* const* rows_v, int
     float* row = scores + g * n;
     float top = -INFINITY;
     for (int64_t t = 0; t < n; ++t) top = std::max(top, row[t]);
-    __m512 sum = _mm512_setzero_ps(), mv = _mm512_set1_ps(top);
-    for (int64_t t = 0; t < n; t += 16) {
-      __mmask16 live = n - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - t)) - 1);
-      __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, row + t), mv)));
-      _mm512_mask_storeu_ps(row + t, live, e);
-      sum = _mm512_add_ps(sum, e);
+    fvec sum(0.f);
+    const fvec most(top);
+    for (int64_t t = 0; t < n; t += W) {
+      const int64_t live = std::min<int64_t>(W, n - t);
+      const fvec e = fvec::set(fvec(0.f), vexp(fvec::loadu(row + t, live) - most), live);
+      e.store(row + t, live);
+      sum = sum + e;
     }
-    inv[g] = 1.f / _mm512_reduce_add_ps(sum);
+    alignas(64) float lanes[W];
+    sum.store(lanes);
+    inv[g] = 1.f / std::accumulate(lanes, lanes + W, 0.f);
   }
-  __m512 acc[G][V];
+  fvec acc[G][V];
   for (int g = 0; g < G; ++g)
-    for (int j = 0; j < V; ++j) acc[g][j] = _mm512_setzero_ps();
+    for (int j = 0; j < V; ++j) acc[g][j] = fvec(0.f);
   for (int64_t t = 0; t < n; ++t) {
-    if (t + 16 < n) prefetch<3, T, V>(rows_v[t + 16]);
-    __m512 v[V];
-    for (int j = 0; j < V; ++j) v[j] = load16(rows_v[t] + 16 * j);
+    if (t + W < n) prefetch<3, T, V>(rows_v[t + W]);
+    fvec v[V];
+    for (int j = 0; j < V; ++j) v[j] = load(rows_v[t] + W * j);
     for (int g = 0; g < G; ++g) {
-      __m512 p = _mm512_set1_ps(scores[g * n + t]);
-      for (int j = 0; j < V; ++j) acc[g][j] = _mm512_fmadd_ps(p, v[j], acc[g][j]);
+      const fvec p(scores[g * n + t]);
+      for (int j = 0; j < V; ++j) acc[g][j] = at::vec::fmadd(p, v[j], acc[g][j]);
     }
   }
   for (int g = 0; g < G; ++g)
-    for (int j = 0; j < V; ++j) _mm512_storeu_ps(out + g * 16 * V + 16 * j, _mm512_mul_ps(acc[g][j], _mm512_set1_ps(inv[g])));
+    for (int j = 0; j < V; ++j) (acc[g][j] * fvec(inv[g])).store(out + g * W * V + W * j);
 }
 
-// Up to 4 heads at D = 64 and 2 at D = 128: G * V accumulators stay within 16 of the 32 registers.
+// Query heads walked together per KV head: as many as keep their G * V accumulators within half
+// the vector registers (1 to 4), so D = 64 takes 4 heads on AVX-512, 1 on AVX2 and NEON.
+#if defined(CPU_CAPABILITY_AVX2)
+constexpr int64_t REGISTERS = 16;
+#else
+constexpr int64_t REGISTERS = 32;
+#endif
+inline int64_t heads_per_item(int64_t dim) {
+  return dim == 64 || dim == 128 ? std::clamp<int64_t>(REGISTERS / 2 / (dim / W), 1, 4) : 4;
+}
+
+template <typename T, int V>
+void heads_g(int64_t g, const float* q, const T* const* k, const T* const* v, int64_t n, float* s, float* o) {
+  switch (g) {
+    case 1: return heads_tiled<T, V, 1>(q, k, v, n, s, o);
+    case 2: return heads_tiled<T, V, 2>(q, k, v, n, s, o);
+    case 3: return heads_tiled<T, V, 3>(q, k, v, n, s, o);
+    default: return heads_tiled<T, V, 4>(q, k, v, n, s, o);
+  }
+}
+
+// The tiled kernel for D = 64 and 128 (g <= heads_per_item(D)); false: run heads_any.
 template <typename T>
 bool heads_simd(int64_t g, int64_t dim, const float* q, const T* const* k, const T* const* v, int64_t n, float* s, float* o) {
-  if (dim == 64 && g == 1) heads16<T, 4, 1>(q, k, v, n, s, o);
-  else if (dim == 64 && g == 2) heads16<T, 4, 2>(q, k, v, n, s, o);
-  else if (dim == 64 && g == 3) heads16<T, 4, 3>(q, k, v, n, s, o);
-  else if (dim == 64 && g == 4) heads16<T, 4, 4>(q, k, v, n, s, o);
-  else if (dim == 128 && g == 1) heads16<T, 8, 1>(q, k, v, n, s, o);
-  else if (dim == 128 && g == 2) heads16<T, 8, 2>(q, k, v, n, s, o);
+  if (dim == 64) heads_g<T, 64 / W>(g, q, k, v, n, s, o);
+  else if (dim == 128) heads_g<T, 128 / W>(g, q, k, v, n, s, o);
   else return false;
   return true;
 }
-#endif
 
-// Any D, one head at a time in plain loops: machines without AVX-512 and other head sizes.
+// Any D, one head at a time in plain loops: the head sizes the tiled kernel has no instance for.
 template <typename T>
 void heads_any(int64_t g, int64_t dim, const float* q, const T* const* rows_k, const T* const* rows_v, int64_t n,
                float* scores, float* out) {
@@ -131,7 +137,7 @@ template <typename T>
 void decode(const T* q, const T* k_cache, const T* v_cache, const int32_t* tables, const int32_t* lens, T* out,
             int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim, int64_t width, int64_t block_size, float scale) {
   const int64_t group = heads / kv_heads, stride = kv_heads * dim;
-  const int64_t most = dim == 128 ? 2 : 4, parts = (group + most - 1) / most;  // work items: (sequence, KV head, part)
+  const int64_t most = heads_per_item(dim), parts = (group + most - 1) / most;  // work items: (sequence, KV head, part)
   at::parallel_for(0, batch * kv_heads * parts, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(most * dim), of(most * dim), scores;
     std::vector<const T*> rows_k, rows_v;
@@ -155,9 +161,7 @@ void decode(const T* q, const T* k_cache, const T* v_cache, const int32_t* table
       }
       const T* qh = q + (b * heads + first_head) * dim;
       for (int64_t d = 0; d < g * dim; ++d) qf[d] = static_cast<float>(qh[d]) * scale;
-#ifdef __AVX512F__
       if (!heads_simd<T>(g, dim, qf.data(), rows_k.data(), rows_v.data(), n, scores.data(), of.data()))
-#endif
         heads_any<T>(g, dim, qf.data(), rows_k.data(), rows_v.data(), n, scores.data(), of.data());
       for (int64_t d = 0; d < g * dim; ++d) o[d] = T(of[d]);
     }
@@ -197,9 +201,9 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   return out;
 }
 
-}  // namespace cyllm
+}  // namespace cyllm::CYLLM_OPS
 
-TORCH_LIBRARY(cyllm, m) {
+TORCH_LIBRARY_FRAGMENT(CYLLM_OPS, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, Tensor lens, int block_size, float scale) -> Tensor");
-  m.impl("paged_decode", c10::DispatchKey::CPU, &cyllm::paged_decode);
+  m.impl("paged_decode", c10::DispatchKey::CPU, &cyllm::CYLLM_OPS::paged_decode);
 }

@@ -15,7 +15,7 @@
 
 #include "ops.h"
 
-namespace cyllm {
+namespace cyllm::CYLLM_OPS {
 namespace {
 
 // x (T, in) times a weight laid out at load: int4 where it has scales (linear.py's Int4Linear),
@@ -69,12 +69,12 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
   return {x, residual};
 }
 
-}  // namespace cyllm
+}  // namespace cyllm::CYLLM_OPS
 
-TORCH_LIBRARY_FRAGMENT(cyllm, m) {
+TORCH_LIBRARY_FRAGMENT(CYLLM_OPS, m) {
   m.def("decode_layers(Tensor x, Tensor[] norms, Tensor[] weights, Tensor?[] scales, Tensor?[] biases, Tensor(a!) k_caches, "
         "Tensor(b!) v_caches, Tensor cos, Tensor sin, Tensor slots, Tensor tables, Tensor lens, int heads, int block_size, "
         "float eps, int group) -> (Tensor, Tensor)");
-  m.impl("decode_layers", c10::DispatchKey::CPU, &cyllm::decode_layers);
-  m.impl("decode_layers", c10::DispatchKey::MkldnnCPU, &cyllm::decode_layers);  // oneDNN's packed weights are its tensors
+  m.impl("decode_layers", c10::DispatchKey::CPU, &cyllm::CYLLM_OPS::decode_layers);
+  m.impl("decode_layers", c10::DispatchKey::MkldnnCPU, &cyllm::CYLLM_OPS::decode_layers);  // oneDNN's packed weights are its tensors
 }

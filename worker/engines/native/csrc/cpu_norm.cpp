@@ -17,7 +17,7 @@
 
 #include "ops.h"
 
-namespace cyllm {
+namespace cyllm::CYLLM_OPS {
 namespace {
 
 template <typename T>
@@ -79,9 +79,9 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const std::
   return {total, out};
 }
 
-}  // namespace cyllm
+}  // namespace cyllm::CYLLM_OPS
 
-TORCH_LIBRARY_FRAGMENT(cyllm, m) {
+TORCH_LIBRARY_FRAGMENT(CYLLM_OPS, m) {
   m.def("add_rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)");
-  m.impl("add_rms_norm", c10::DispatchKey::CPU, &cyllm::add_rms_norm);
+  m.impl("add_rms_norm", c10::DispatchKey::CPU, &cyllm::CYLLM_OPS::add_rms_norm);
 }

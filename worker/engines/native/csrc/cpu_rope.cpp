@@ -15,7 +15,7 @@
 
 #include "ops.h"
 
-namespace cyllm {
+namespace cyllm::CYLLM_OPS {
 namespace {
 
 // One head of D values: out = x * cos + rotate_half(x) * sin, rotate_half(x) = (-x[half:], x[:half]);
@@ -90,9 +90,9 @@ std::tuple<at::Tensor, at::Tensor> rope_and_store(const at::Tensor& q, const at:
   return {q_out, k_out};
 }
 
-}  // namespace cyllm
+}  // namespace cyllm::CYLLM_OPS
 
-TORCH_LIBRARY_FRAGMENT(cyllm, m) {
+TORCH_LIBRARY_FRAGMENT(CYLLM_OPS, m) {
   m.def("rope_and_store(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> (Tensor, Tensor)");
-  m.impl("rope_and_store", c10::DispatchKey::CPU, &cyllm::rope_and_store);
+  m.impl("rope_and_store", c10::DispatchKey::CPU, &cyllm::CYLLM_OPS::rope_and_store);
 }

@@ -6,7 +6,14 @@
 #include <optional>
 #include <tuple>
 
-namespace cyllm {
+// kernels.py builds one library per instruction set, each defining CYLLM_OPS (cyllm_avx2, ...): its
+// ops are torch.ops.<CYLLM_OPS>.*, its C++ lives in cyllm::<CYLLM_OPS>, so that two libraries
+// loaded side by side (the tests compare them) share no symbol.
+#ifndef CYLLM_OPS
+#error "CYLLM_OPS names the op namespace of the instruction set this library is built for (kernels.py)"
+#endif
+
+namespace cyllm::CYLLM_OPS {
 
 // q (B, H, D); caches (slots, kv_heads, D); tables (B, width) and lens (B,) int32. Returns (B, H, D).
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -24,4 +31,4 @@ std::tuple<at::Tensor, at::Tensor> rope_and_store(const at::Tensor& q, const at:
 // gate_up (T, 2I) -> silu(gate) * up (T, I).
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
 
-}  // namespace cyllm
+}  // namespace cyllm::CYLLM_OPS
