@@ -11,8 +11,9 @@ times the blocks, lanes and rate), the reference for the prefix-cache hit rate.
 
 The workload: chats of --turns turns, each opening with one of three shared system prompts of
 500-1,000 tokens; each turn sends the whole history (every earlier answer included), a user message
-(10-40 words on the native setup, 40-120 on the synthetic one), and appends the answer. The chats start --stagger s apart and wait --think s
-between turns; questions, prompts and start times come from each of --seeds, so a run replays.
+(10-40 words on the native setup, 40-120 on the synthetic one), and appends the answer. The chats
+start --stagger s apart and wait --think s between turns; questions, prompts and start times come
+from each of --seeds, so a run replays.
 
 Per policy: prefix-cache hit rate (the workers' own counters), TTFT p50/p99 (first streamed
 token), output tokens/s, requests per worker against the mean, and the sidecar's routing decisions
