@@ -93,15 +93,47 @@ def test_an_isa_below_the_best_limits_onednn_and_aten_before_torch_starts():
     assert result.stdout.split() == ["AVX2", "False"]
 
 
+def test_bf16_weights_without_onednn_bf16_run_widened_to_fp32_for_prompts():
+    """Forced to AVX2, oneDNN has no bf16: PackedLinear keeps the bf16 weight, a few rows go through
+    torch's bf16 GEMV and a prompt's through the fp32 GEMM of the widened weight."""
+    if "avx2" not in runnable_isas(*this_cpu()):
+        pytest.skip("this CPU has no AVX2")
+    probe = f"""
+from worker.cli import _limit_cpu_isa
+_limit_cpu_isa("avx2")
+import torch
+from worker.engines.native import kernels
+from worker.engines.native.linear import PackedLinear
+assert kernels.load({KERNEL_DIR!r}, "avx2") == "built"
+assert not PackedLinear.supports(torch.bfloat16)
+torch.manual_seed(3)
+linear = torch.nn.Linear(96, 200).bfloat16()
+packed = PackedLinear(linear)
+assert not packed.packed.is_mkldnn
+x = torch.randn(3, 96).bfloat16()
+torch.testing.assert_close(packed(x), torch.nn.functional.linear(x, linear.weight, linear.bias), atol=0, rtol=0)
+x = torch.randn(20, 96).bfloat16()
+wide = torch.ops.mkldnn._reorder_linear_weight(linear.weight.float(), 20)
+expected = torch.ops.mkldnn._linear_pointwise(x.float(), wide, linear.bias.float(), "none", [], "").bfloat16()
+torch.testing.assert_close(packed(x), expected, atol=0, rtol=0)
+print("ok")
+"""
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                            env={k: v for k, v in os.environ.items() if k not in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")})
+    assert result.stdout.split()[-1:] == ["ok"], result.stderr[-3000:]
+
+
 @pytest.mark.skipif(not shutil.which("aarch64-linux-gnu-g++"), reason="no arm64 cross compiler (.ci/run installs "
                     "Debian's g++-aarch64-linux-gnu)")
-@pytest.mark.parametrize("source", kernels.SOURCES, ids=lambda path: path.stem)
-def test_the_neon_build_compiles_for_arm64(source, tmp_path):
-    """The NEON path cannot run here; each source still compiles for armv8.2-a against torch's headers."""
+@pytest.mark.parametrize(("source", "extra"), [(source, []) for source in kernels.SOURCES] + [
+    (kernels.CSRC / "cpu_linear.cpp", ["-march=armv8.2-a+dotprod"])], ids=[s.stem for s in kernels.SOURCES] + ["linear-dotprod"])
+def test_the_neon_build_compiles_for_arm64(source, extra, tmp_path):
+    """The NEON path cannot run here; each source still compiles for armv8.2-a against torch's headers
+    (the quantized dot products also with the dot-product instructions most arm64 servers have)."""
     include = Path(torch.__file__).parent / "include"
     result = subprocess.run(["aarch64-linux-gnu-g++", "-std=c++20", "-fPIC", "-isystem", str(include), "-isystem",
-                             str(include / "torch" / "csrc" / "api" / "include"), *kernels.compile_flags("neon"), "-c",
-                             str(source), "-o", str(tmp_path / "out.o")], capture_output=True, text=True)
+                             str(include / "torch" / "csrc" / "api" / "include"), *kernels.compile_flags("neon"), *extra,
+                             "-c", str(source), "-o", str(tmp_path / "out.o")], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "aarch64" in subprocess.run(["file", str(tmp_path / "out.o")], capture_output=True, text=True).stdout
 
@@ -169,21 +201,52 @@ def test_silu_and_mul_matches_the_torch_path(built, dtype):
     torch.testing.assert_close(kernels.silu_and_mul(gate_up), silu_and_mul(gate_up), **tolerance)
 
 
-@pytest.mark.parametrize("variant", ["fp32", "bf16", "bf16-int4", "qwen2-bias"])
-def test_decode_layers_match_the_layer_by_layer_path(built, variant, tiny_model, request):
-    """An all-decode step through kernels.decode_layers gives the logits and cache writes of the
-    model's layers run one by one, to the bit: the same kernels in the same order."""
-    from worker.engines.native.model import Batch, load_model
+def quantized_reference(x: torch.Tensor, linear) -> torch.Tensor:
+    """csrc/cpu_quant.cpp's arithmetic in float64: x quantized per 32 inputs to s * p (p = x / s
+    rounded, s = max |x| / 127), then per group d * s * (q . p) + m * s * sum(p)."""
+    groups = x.double().view(x.shape[0], 1, -1, 32)
+    s = groups.abs().amax(-1, keepdim=True) / 127
+    p = torch.round(groups / torch.where(s > 0, s, 1) * torch.where(s > 0, 1, 0)) * s  # 127 / amax, as the kernel
+    return (p * linear.dequantized().double().view(1, linear.packed.shape[0], -1, 32)).sum((-1, -2))
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_linear_matches_its_arithmetic_in_float64(built, bits, dtype):
+    """1 and 3 tokens (a tile of two and one of one) on 70 rows (a short last tile of four) give the
+    integer dot products' result to float rounding; 20 tokens run a GEMM on the widened weight."""
+    from worker.engines.native.linear import QuantLinear
+
+    torch.manual_seed(9)
+    linear = torch.nn.Linear(96, 70)
+    quantized = QuantLinear(linear, bits)
+    for tokens in (1, 3):
+        x = torch.randn(tokens, 96).to(dtype)
+        x[0, :32] = 0  # an all-zero group: scale 0
+        expected = (quantized_reference(x, quantized) + quantized.bias.double()).to(dtype)
+        tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 8e-3}
+        torch.testing.assert_close(quantized(x), expected, **tolerance)
+    x = torch.randn(20, 96).to(dtype)
+    widened = torch.nn.functional.linear(x, quantized.dequantized().to(dtype), quantized.bias.to(dtype))
+    torch.testing.assert_close(quantized(x), widened, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("variant", ["fp32", "bf16", "bf16-unpacked", "bf16-int4", "fp32-int4", "qwen2-bias"])
+def test_decode_layers_match_the_layer_by_layer_path(built, variant, tiny_model, request, monkeypatch):
+    """An all-decode step through kernels.decode_layers gives the logits and cache writes of the
+    model's layers run one by one, to the bit: the same kernels in the same order. bf16-unpacked:
+    the weights as PackedLinear keeps them where oneDNN has no bf16."""
     from worker.engines.native.linear import PackedLinear
+    from worker.engines.native.model import Batch, load_model
 
     folder = tiny_model("qwen2") if variant == "qwen2-bias" else request.getfixturevalue("embedded_model")
     dtype = torch.bfloat16 if variant.startswith("bf16") else torch.float32
-    if variant == "bf16" and not PackedLinear.supports(dtype):
-        pytest.skip("the one-call decode runs oneDNN's bf16 GEMMs, which need AVX-512 BF16 or AMX; "
-                    "this CPU runs bf16 decode layer by layer")
+    if variant == "bf16-unpacked":
+        monkeypatch.setattr(PackedLinear, "supports", staticmethod(lambda dtype: dtype == torch.float32))
     model = load_model(folder, dtype, torch.device("cpu"), "int4" if variant.endswith("int4") else "none")
     assert model.decode_weights is not None
+    if not variant.endswith("int4"):
+        assert (variant == "bf16-unpacked") == (not model.layers[0].mlp.down_proj.packed.is_mkldnn)
     c, block_size = model.config, 16
     torch.manual_seed(6)
     caches = torch.randn(2, c.num_layers, 64 * block_size, c.num_kv_heads, c.head_dim).to(dtype)

@@ -25,6 +25,7 @@ from worker.engines.detokenizer import OutputText
 from worker.engines.native import kernels as cpu_kernels
 from worker.engines.cache_events import CacheEvents
 from worker.engines.native.block_manager import BlockManager, zeros
+from worker.engines.native.linear import PackedLinear
 from worker.engines.native.model import Batch, load_model
 from worker.engines.native.pacer import PrefillPacer
 from worker.engines.native.sequence import Sequence, Step
@@ -60,8 +61,6 @@ class NativeEngine(ThreadedEngine):
         self.quantization = str(self.args["quantization"]).lower()
         if self.quantization not in ("none", "int4"):
             raise ConfigError("engine.args.quantization", "none | int4 (weight-only, on CPU)")
-        if self.quantization == "int4" and config.engine.dtype not in ("auto", "bfloat16"):
-            raise ConfigError("engine.args.quantization", f"int4 runs with bfloat16 activations, not {config.engine.dtype}")
         self._overlap_setting = str(self.args["overlap_output"]).lower()
         if self._overlap_setting not in ("auto", "true", "false"):
             raise ConfigError("engine.args.overlap_output", "auto (on for CUDA) | true | false")
@@ -81,8 +80,8 @@ class NativeEngine(ThreadedEngine):
                                    ("cuda" if torch.cuda.is_available() else "cpu"))
         if self.quantization == "int4" and self.device.type != "cpu":
             raise ConfigError("engine.args.quantization", f"int4 runs on CPU; the device is {self.device}")
-        dtype = DTYPES.get(engine.dtype) or (
-            torch.bfloat16 if self.device.type == "cuda" or self.quantization == "int4" else torch.float32)
+        dtype = DTYPES.get(engine.dtype) or (torch.bfloat16 if self.device.type == "cuda" or (
+            self.quantization == "int4" and PackedLinear.supports(torch.bfloat16)) else torch.float32)
         kernels = None
         if self.device.type == "cpu":
             try:

@@ -18,6 +18,8 @@ greedy tokens (tests/test_native_engine.py runs both against HF) more slowly.
 - rope_and_store(q, k, v, cos, sin, k_cache, v_cache, slots): rotary embedding of q and k and the
   cache writes of k and v (csrc/cpu_rope.cpp).
 - silu_and_mul(gate_up): the MLP's activation (csrc/cpu_activation.cpp).
+- unpacked_linear(x, weight, bias), quantized_linear(x, weight, scales, bias): linear layers with a
+  bf16 weight oneDNN does not run, or with 4- or 8-bit weights (csrc/cpu_linear.cpp).
 - decode_layers(...): every decoder layer of an all-decode step in one call, out of the kernels
   above and the linear layers' ops (csrc/cpu_decoder.cpp).
 """
@@ -35,7 +37,7 @@ import torch
 from worker.deps.hardware import runnable_isas, this_cpu
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / f"cpu_{name}.cpp" for name in ("attention", "norm", "rope", "activation", "decoder")]
+SOURCES = [CSRC / f"cpu_{name}.cpp" for name in ("attention", "norm", "rope", "activation", "linear", "decoder")]
 HEADERS = [CSRC / "ops.h", CSRC / "vec.h"]
 # Per ISA: the compiler's target, and the CPU_CAPABILITY that picks ATen's vector implementation
 # (NEON's comes with the default one on aarch64).
@@ -59,6 +61,11 @@ def resolve(setting: str) -> str:
 
 def compile_flags(isa: str) -> list[str]:
     target, capability = TARGETS[isa]
+    # csrc/cpu_linear.cpp's byte dot products in one instruction, where this CPU has it.
+    if isa == "avx512" and "avx512_vnni" in this_cpu()[1]:
+        target = [*target, "-mavx512vnni"]
+    if isa == "neon" and "asimddp" in this_cpu()[1]:
+        target = ["-march=armv8.2-a+dotprod"]
     # -fopenmp: at::parallel_for is inline OpenMP code; the library then uses the libgomp torch loaded.
     # -ffp-contract=off: a * b + c stays two roundings, as in torch's ops (intrinsics still fuse).
     return ["-O3", *target, "-ffp-contract=off", "-fopenmp", f"-DCPU_CAPABILITY={capability}",
@@ -128,17 +135,29 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return _ops().silu_and_mul(gate_up)
 
 
+def unpacked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """linear.PackedLinear's weight where oneDNN does not run its dtype: x (..., in) -> (..., out)."""
+    flat = x.reshape(-1, x.shape[-1])
+    return _ops().unpacked_linear(flat, weight, bias).view(*x.shape[:-1], weight.shape[0])
+
+
+def quantized_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+    """linear.QuantLinear's layout: x (..., in) times the 4- or 8-bit weight -> (..., out)."""
+    flat = x.reshape(-1, x.shape[-1])
+    return _ops().quantized_linear(flat, weight, scales, bias).view(*x.shape[:-1], weight.shape[0])
+
+
 @dataclass(frozen=True)
 class LayerWeights:
     """What decode_layers reads of a model's decoder layers, gathered once at load."""
 
     norms: list[torch.Tensor]  # 2 a layer: input, post-attention
     weights: list[torch.Tensor]  # 4 a layer (qkv, o, gate_up, down), as linear.py's layers keep them
-    scales: list[torch.Tensor | None]  # Int4Linear's scales; None: a PackedLinear
+    scales: list[torch.Tensor | None]  # QuantLinear's scales; None: a PackedLinear
     biases: list[torch.Tensor | None]
     heads: int
     eps: float
-    group: int  # inputs per int4 scale
 
 
 def decode_layers(x: torch.Tensor, layers: LayerWeights, k_caches: torch.Tensor, v_caches: torch.Tensor, cos: torch.Tensor,
@@ -149,7 +168,7 @@ def decode_layers(x: torch.Tensor, layers: LayerWeights, k_caches: torch.Tensor,
     tokens, dim = x.shape[0], k_caches.shape[-1]
     return _ops().decode_layers(x, layers.norms, layers.weights, layers.scales, layers.biases, k_caches,
                                          v_caches, cos.reshape(tokens, dim), sin.reshape(tokens, dim), slots, tables,
-                                         lens, layers.heads, block_size, layers.eps, layers.group)
+                                         lens, layers.heads, block_size, layers.eps)
 
 
 def _build_key() -> str:

@@ -20,7 +20,7 @@ from worker.engines.native import kernels
 from worker.engines.native.attention import decode_attention, decode_gather, prefill_attention, rope_and_store
 from worker.engines.native.elementwise import Elementwise
 from worker.engines.native.gemv import RowLinear, triton
-from worker.engines.native.linear import GROUP, Int4Linear, PackedLinear
+from worker.engines.native.linear import PackedLinear, QuantLinear
 
 SUPPORTED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
 ROPE_SCALING = {"default": (), "linear": ("factor",),
@@ -260,14 +260,13 @@ class LlamaModel(nn.Module):
         steps run the decoder layers in one C++ call (kernels.decode_layers)."""
         flat = [linear for layer in self.layers for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                                 layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-        if not kernels.loaded() or not all(isinstance(linear, (PackedLinear, Int4Linear)) for linear in flat):
+        if not kernels.loaded() or not all(isinstance(linear, (PackedLinear, QuantLinear)) for linear in flat):
             return
         self.decode_weights = kernels.LayerWeights(
             norms=[norm.weight for layer in self.layers for norm in (layer.input_layernorm, layer.post_attention_layernorm)],
             weights=[linear.packed for linear in flat],
-            scales=[linear.scales if isinstance(linear, Int4Linear) else None for linear in flat],
-            biases=[linear.bias for linear in flat], heads=self.config.num_heads, eps=self.config.rms_norm_eps,
-            group=GROUP)
+            scales=[linear.scales if isinstance(linear, QuantLinear) else None for linear in flat],
+            biases=[linear.bias for linear in flat], heads=self.config.num_heads, eps=self.config.rms_norm_eps)
 
     def weight_bytes(self) -> int:
         packed = {id(m.packed): m.weight_bytes for m in self.modules() if hasattr(m, "packed")}
@@ -346,12 +345,13 @@ def load_model(folder: Path, dtype: torch.dtype, device: torch.device, quantizat
         model.ops.use_triton()
         wrap_linears(model, RowLinear)
     if device.type == "cpu" and quantization == "int4":
-        # The decoder layers only: the output layer stays in bf16, as llama.cpp's 4-bit files keep
-        # theirs in 6 or 8 bits. The embedded model's (tied to its Q8_0 embedding) lost 9% of its
-        # norm in 4 bits, and with it the answer to the France question.
-        wrap_linears(model.layers, lambda linear: Int4Linear(linear) if Int4Linear.fits(linear) else linear)
-    if device.type == "cpu" and PackedLinear.supports(dtype):
-        wrap_linears(model, PackedLinear)
+        # The decoder layers in 4 bits, the output layer in 8, as llama.cpp's 4-bit files keep theirs
+        # in 6 or 8: the embedded model's (tied to its Q8_0 embedding) lost 9% of its norm in 4 bits,
+        # and with it the answer to the France question.
+        wrap_linears(model.layers, lambda linear: QuantLinear(linear, 4) if QuantLinear.fits(linear) else linear)
+        wrap_linears(model, lambda linear: QuantLinear(linear, 8) if QuantLinear.fits(linear) else linear)
+    if device.type == "cpu":
+        wrap_linears(model, lambda linear: PackedLinear(linear) if PackedLinear.fits(linear) else linear)
     if device.type == "cpu":
         model.gather_decode_weights()
     return model

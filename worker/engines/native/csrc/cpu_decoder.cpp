@@ -2,10 +2,8 @@
 //
 // The same layer as model.py's DecoderLayer, for steps whose tokens are all decodes: the norms,
 // rotary embedding, attention and SiLU of this folder's kernels, and the linear layers through the
-// ops model.py's wrappers call (oneDNN's packed GEMM, or torch's int4 kernel). Run from Python, the
+// ops model.py's wrappers call (cpu_linear.cpp). Run from Python, the
 // ~15 calls and module hops of a layer cost ~100 us: 3 ms of a 25 ms SmolLM2 step at batch 8.
-#include <ATen/core/dispatch/Dispatcher.h>
-#include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -16,21 +14,16 @@
 #include "ops.h"
 
 namespace cyllm::CYLLM_OPS {
+
 namespace {
 
-// x (T, in) times a weight laid out at load: int4 where it has scales (linear.py's Int4Linear),
-// else oneDNN's blocked layout (PackedLinear). The oneDNN op has no C++ header: it is called boxed.
+// x (T, in) times a weight laid out at load by linear.py: quantized where it has scales
+// (QuantLinear), else oneDNN's blocked layout, or the plain weight where oneDNN lacks its dtype
+// (PackedLinear).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scales,
-                  const std::optional<at::Tensor>& bias, int64_t group) {
-  if (scales) {
-    auto y = at::_weight_int4pack_mm_for_cpu(x, weight, group, *scales);
-    return bias ? y.add_(*bias) : y;
-  }
-  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-  std::vector<c10::IValue> stack{x, weight, bias, std::string("none"), c10::List<std::optional<at::Scalar>>(),
-                                 std::string("")};
-  op.callBoxed(&stack);
-  return stack[0].toTensor();
+                  const std::optional<at::Tensor>& bias) {
+  if (scales) return quantized_linear(x, weight, *scales, bias);
+  return weight.is_mkldnn() ? packed_linear(x, weight, bias) : unpacked_linear(x, weight, bias);
 }
 
 }  // namespace
@@ -44,7 +37,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     const c10::List<std::optional<at::Tensor>>& scales, const c10::List<std::optional<at::Tensor>>& biases,
     const at::Tensor& k_caches, const at::Tensor& v_caches, const at::Tensor& cos, const at::Tensor& sin,
     const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& lens, int64_t heads, int64_t block_size,
-    double eps, int64_t group) {
+    double eps) {
   const int64_t layers = k_caches.size(0), tokens = embedded.size(0);
   TORCH_CHECK(k_caches.dim() == 4 && v_caches.sizes() == k_caches.sizes(), "caches (layers, slots, kv_heads, D)");
   TORCH_CHECK((int64_t)norms.size() == 2 * layers && (int64_t)weights.size() == 4 * layers &&
@@ -54,7 +47,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
   const double scale = 1.0 / std::sqrt(static_cast<double>(dim));
   at::Tensor x = embedded, residual, h;
   for (int64_t l = 0; l < layers; ++l) {
-    auto lin = [&](const at::Tensor& in, int64_t i) { return linear(in, weights[4 * l + i], scales.get(4 * l + i), biases.get(4 * l + i), group); };
+    auto lin = [&](const at::Tensor& in, int64_t i) { return linear(in, weights[4 * l + i], scales.get(4 * l + i), biases.get(4 * l + i)); };
     std::tie(residual, h) = add_rms_norm(x, l ? std::optional<at::Tensor>(residual) : std::nullopt, norms[2 * l], eps);
     const at::Tensor qkv = lin(h, 0);
     const at::Tensor k_cache = k_caches.select(0, l), v_cache = v_caches.select(0, l);
@@ -74,7 +67,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
 TORCH_LIBRARY_FRAGMENT(CYLLM_OPS, m) {
   m.def("decode_layers(Tensor x, Tensor[] norms, Tensor[] weights, Tensor?[] scales, Tensor?[] biases, Tensor(a!) k_caches, "
         "Tensor(b!) v_caches, Tensor cos, Tensor sin, Tensor slots, Tensor tables, Tensor lens, int heads, int block_size, "
-        "float eps, int group) -> (Tensor, Tensor)");
+        "float eps) -> (Tensor, Tensor)");
   m.impl("decode_layers", c10::DispatchKey::CPU, &cyllm::CYLLM_OPS::decode_layers);
   m.impl("decode_layers", c10::DispatchKey::MkldnnCPU, &cyllm::CYLLM_OPS::decode_layers);  // oneDNN's packed weights are its tensors
 }

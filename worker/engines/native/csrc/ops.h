@@ -31,4 +31,17 @@ std::tuple<at::Tensor, at::Tensor> rope_and_store(const at::Tensor& q, const at:
 // gate_up (T, 2I) -> silu(gate) * up (T, I).
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
 
+// x (T, in) times a weight in oneDNN's blocked layout (linear.py's PackedLinear), and that layout
+// made from a (out, in) weight for about `tokens` rows of x.
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias);
+at::Tensor pack_linear_weight(const at::Tensor& weight, int64_t tokens);
+
+// x (T, in) times a plain (out, in) weight of a dtype oneDNN does not run on this CPU (bf16 without
+// AVX-512): torch's GEMV for a few rows, a GEMM on the weight widened to fp32 for many.
+at::Tensor unpacked_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
+
+// x (T, in) fp32 or bf16 times 4- or 8-bit weights (linear.py's QuantLinear) -> (T, out) of x's dtype.
+at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
+                            const std::optional<at::Tensor>& bias);
+
 }  // namespace cyllm::CYLLM_OPS
