@@ -37,7 +37,7 @@ import torch
 from worker.deps.hardware import runnable_isas, this_cpu
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / f"cpu_{name}.cpp" for name in ("attention", "norm", "rope", "activation", "linear", "decoder")]
+SOURCES = [CSRC / f"cpu_{name}.cpp" for name in ("attention", "norm", "rope", "activation", "linear", "quant", "decoder")]
 HEADERS = [CSRC / "ops.h", CSRC / "vec.h"]
 # Per ISA: the compiler's target, and the CPU_CAPABILITY that picks ATen's vector implementation
 # (NEON's comes with the default one on aarch64).

@@ -1,239 +1,27 @@
-// Linear layers on CPUs (kernels.py compiles this): the weights as linear.py lays them out at load.
-//
-// oneDNN's blocked layout (PackedLinear), called boxed (its ops have no C++ headers). Where oneDNN
-// does not run the model's dtype (bf16 without AVX-512), the plain weight: torch's GEMV for a few
-// rows, and for many a GEMM on the weight widened to fp32 (torch's bf16 GEMM took 4x as long).
-//
-// 4- or 8-bit weights (QuantLinear), per row and group of 32 inputs:
-//   4 bits: w = d * q + m, q in 0..15, two to a byte (byte j: q[j] low, q[j + 16] high), GGUF's Q4_1;
-//   8 bits: w = d * q, q in -127..127, GGUF's Q8_0;
-// d and m fp16, as GGUF keeps them (an fp32 pair was a third of the bytes a 4-bit step read).
-// The activations are quantized to 8 bits per group of 32 on the way in (a = s * p, p in -127..127,
-// GGUF's Q8_1, which also keeps s * sum(p) for the 4-bit offset), so a group's dot product is
-// d * s * sum(q * p) + m * s * sum(p): 32 byte products summed in integers, one float multiply-add.
-// That reads a quarter (or half) of bf16's bytes and does the arithmetic in 8-bit lanes, 32 a
-// 256-bit instruction, where torch's int4 kernel widens every weight to float first. For many
-// tokens the widened weight's GEMM wins again: its cost grows less with every token.
+// Linear layers on CPUs in full precision (kernels.py compiles this), as linear.py's PackedLinear
+// lays them out at load: oneDNN's blocked layout, called boxed (its ops have no C++ headers); where
+// oneDNN does not run the model's dtype (bf16 without AVX-512), the plain weight: torch's GEMV for a
+// few rows, and for many a GEMM on the weight widened to fp32 (with torch's bf16 GEMM a 128-token
+// prompt took 601 ms under forced AVX2; 324 so).
 #include <ATen/Context.h>
-#include <ATen/Parallel.h>
+#include <ATen/core/List.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
-#include <ATen/core/List.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cmath>
-#include <cstdint>
 #include <string>
 #include <vector>
 
 #include "ops.h"
-#include "vec.h"
 
 namespace cyllm::CYLLM_OPS {
 namespace {
 
-constexpr int64_t kGroup = 32;
-constexpr int kRows = 4;  // rows that share one load of an activation group
-constexpr int64_t kGemmTokens = 16;  // from this many tokens on, widen the weight and run a GEMM
 constexpr int64_t kScratchBytes = 4 << 20;  // of the weight widened at a time
 
-// One token's activations, quantized: p (groups * 32), and per group s and s * sum(p).
-struct Quantized {
-  const int8_t* p;
-  const float* scale;
-  const float* scaled_sum;
-};
-
-template <typename T>
-void quantize_row(const T* x, int64_t groups, int8_t* p, float* scale, float* scaled_sum) {
-  for (int64_t g = 0; g < groups; ++g) {
-    const T* in = x + g * kGroup;
-    alignas(64) float wide[kGroup];
-    fvec peak(0.f);
-    for (int i = 0; i < kGroup; i += W) {
-      const fvec v = load(in + i);
-      v.store(wide + i);
-      peak = at::vec::maximum(peak, v.abs());
-    }
-    alignas(64) float lanes[W];
-    peak.store(lanes);
-    const float amax = *std::max_element(lanes, lanes + W);
-    const float s = amax / 127.f, inverse = amax > 0.f ? 127.f / amax : 0.f;
-    int sum = 0;
-    for (int i = 0; i < kGroup; ++i) {
-      const int q = static_cast<int>(std::nearbyint(wide[i] * inverse));
-      p[g * kGroup + i] = static_cast<int8_t>(q);
-      sum += q;
-    }
-    scale[g] = s;
-    scaled_sum[g] = s * static_cast<float>(sum);
-  }
-}
-
-#if defined(__AVX2__)
-// 8 int32 sums of 4 byte products each, unsigned u times signed s (at most 4 * 255 * 127).
-inline __m256i dot_u8s8(__m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-#else  // pairs summed in int16 (at most 2 * 15 * 127 here: the 8-bit weights go in as |q|), then in fours
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-#endif
-}
-#endif
-
-// out[t][r] = sum over groups of d * s * (q . p), for kRows weight rows and Tokens tokens: each
-// weight group is loaded (and unpacked) once for all the tokens. d: a row's per-group scales,
-// `stride` apart.
-template <int Bits, int Tokens>
-void dot_tile(const uint8_t* const* w, const c10::Half* const* d, int64_t stride, const Quantized* a, int64_t groups,
-              float (*out)[kRows]) {
-  constexpr int64_t bytes = Bits == 4 ? kGroup / 2 : kGroup;
-#if defined(__AVX2__)
-  __m256 acc[Tokens][kRows];
-  for (int t = 0; t < Tokens; ++t)
-    for (int r = 0; r < kRows; ++r) acc[t][r] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    __m256i q[kRows];
-    float scale[kRows];
-    for (int r = 0; r < kRows; ++r) {
-      if constexpr (Bits == 4) {  // byte j: q[j] low, q[j + 16] high
-        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w[r] + g * bytes));
-        q[r] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(0x0F));
-      } else {
-        q[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + g * bytes));
-      }
-      scale[r] = static_cast<float>(d[r][g * stride]);
-    }
-    for (int t = 0; t < Tokens; ++t) {
-      const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[t].p + g * kGroup));
-      const float s = a[t].scale[g];
-      for (int r = 0; r < kRows; ++r) {
-        // signed 8-bit weights go in as |q|, with q's sign moved onto p
-        const __m256i sums = Bits == 4 ? dot_u8s8(q[r], p) : dot_u8s8(_mm256_sign_epi8(q[r], q[r]), _mm256_sign_epi8(p, q[r]));
-        acc[t][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(scale[r] * s), acc[t][r]);
-      }
-    }
-  }
-  for (int t = 0; t < Tokens; ++t)
-    for (int r = 0; r < kRows; ++r) {
-      __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc[t][r]), _mm256_extractf128_ps(acc[t][r], 1));
-      half = _mm_add_ps(half, _mm_movehl_ps(half, half));
-      out[t][r] = _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
-    }
-#elif defined(__aarch64__)
-  float32x4_t acc[Tokens][kRows];
-  for (int t = 0; t < Tokens; ++t)
-    for (int r = 0; r < kRows; ++r) acc[t][r] = vdupq_n_f32(0.f);
-  for (int64_t g = 0; g < groups; ++g) {
-    int8x16_t q0[kRows], q1[kRows];  // elements 0..15 and 16..31 of the group
-    for (int r = 0; r < kRows; ++r) {
-      if constexpr (Bits == 4) {  // 0..15 fits a signed byte
-        const uint8x16_t b = vld1q_u8(w[r] + g * bytes);
-        q0[r] = vreinterpretq_s8_u8(vandq_u8(b, vdupq_n_u8(0x0F)));
-        q1[r] = vreinterpretq_s8_u8(vshrq_n_u8(b, 4));
-      } else {
-        q0[r] = vld1q_s8(reinterpret_cast<const int8_t*>(w[r] + g * bytes));
-        q1[r] = vld1q_s8(reinterpret_cast<const int8_t*>(w[r] + g * bytes + 16));
-      }
-    }
-    for (int t = 0; t < Tokens; ++t) {
-      const int8x16_t p0 = vld1q_s8(a[t].p + g * kGroup), p1 = vld1q_s8(a[t].p + g * kGroup + 16);
-      const float s = a[t].scale[g];
-      for (int r = 0; r < kRows; ++r) {
-#if defined(__ARM_FEATURE_DOTPROD)
-        const int32x4_t sums = vdotq_s32(vdotq_s32(vdupq_n_s32(0), q0[r], p0), q1[r], p1);
-#else  // pairs in int16 (at most 2 * 127 * 127), then widened and added
-        const int16x8_t first = vmlal_s8(vmull_s8(vget_low_s8(q0[r]), vget_low_s8(p0)), vget_high_s8(q0[r]), vget_high_s8(p0));
-        const int16x8_t second = vmlal_s8(vmull_s8(vget_low_s8(q1[r]), vget_low_s8(p1)), vget_high_s8(q1[r]), vget_high_s8(p1));
-        const int32x4_t sums = vpadalq_s16(vpaddlq_s16(first), second);
-#endif
-        acc[t][r] = vfmaq_n_f32(acc[t][r], vcvtq_f32_s32(sums), static_cast<float>(d[r][g * stride]) * s);
-      }
-    }
-  }
-  for (int t = 0; t < Tokens; ++t)
-    for (int r = 0; r < kRows; ++r) out[t][r] = vaddvq_f32(acc[t][r]);
-#else
-  for (int t = 0; t < Tokens; ++t)
-    for (int r = 0; r < kRows; ++r) {
-      float total = 0.f;
-      for (int64_t g = 0; g < groups; ++g) {
-        int sum = 0;
-        for (int64_t i = 0; i < kGroup; ++i) {
-          const int q = Bits == 4 ? (w[r][g * bytes + i % 16] >> (i < 16 ? 0 : 4)) & 0x0F
-                                  : static_cast<int8_t>(w[r][g * bytes + i]);
-          sum += q * a[t].p[g * kGroup + i];
-        }
-        total += static_cast<float>(d[r][g * stride]) * a[t].scale[g] * static_cast<float>(sum);
-      }
-      out[t][r] = total;
-    }
-#endif
-}
-
-template <int Bits, typename T>
-void linear_rows(const std::vector<Quantized>& xs, const uint8_t* weight, const c10::Half* scales, const float* bias, T* y,
-                 int64_t rows, int64_t groups) {
-  constexpr int64_t bytes = Bits == 4 ? kGroup / 2 : kGroup, stride = Bits == 4 ? 2 : 1;
-  const int64_t tokens = static_cast<int64_t>(xs.size()), tiles = (rows + kRows - 1) / kRows;
-  at::parallel_for(0, tiles, std::max<int64_t>(1, 16 / tokens), [&](int64_t begin, int64_t end) {
-    for (int64_t tile = begin; tile < end; ++tile) {
-      const uint8_t* w[kRows];
-      const c10::Half* d[kRows];
-      for (int r = 0; r < kRows; ++r) {  // a short last tile repeats its last row; only real rows are written
-        const int64_t row = std::min(tile * kRows + r, rows - 1);
-        w[r] = weight + row * groups * bytes;
-        d[r] = scales + row * groups * stride;
-      }
-      for (int64_t t = 0; t < tokens;) {
-        float out[2][kRows];
-        const int n = tokens - t >= 2 ? 2 : 1;
-        if (n == 2)
-          dot_tile<Bits, 2>(w, d, stride, xs.data() + t, groups, out);
-        else
-          dot_tile<Bits, 1>(w, d, stride, xs.data() + t, groups, out);
-        for (int i = 0; i < n; ++i, ++t)
-          for (int r = 0; r < kRows && tile * kRows + r < rows; ++r) {
-            const int64_t row = tile * kRows + r;
-            float total = out[i][r];
-            if constexpr (Bits == 4) {  // the offsets: sum over groups of m * s * sum(p)
-              for (int64_t g = 0; g < groups; ++g) total += static_cast<float>(d[r][g * 2 + 1]) * xs[t].scaled_sum[g];
-            }
-            if (bias) total += bias[row];
-            y[t * rows + row] = T(total);
-          }
-      }
-    }
-  });
-}
-
-// Rows [first, first + n) of a 4- or 8-bit weight widened to T, into `wide` (n, in).
-template <typename T>
-void widen(const uint8_t* q, const c10::Half* scales, int bits, int64_t first, int64_t inputs, at::Tensor& wide) {
-  const int64_t groups = inputs / kGroup;
-  T* out = wide.data_ptr<T>();
-  at::parallel_for(0, wide.size(0), 16, [&](int64_t begin, int64_t end) {
-    alignas(64) float values[kGroup];
-    for (int64_t i = begin; i < end; ++i)
-      for (int64_t g = 0, row = first + i; g < groups; ++g) {
-        if (bits == 4) {
-          const uint8_t* b = q + row * inputs / 2 + g * kGroup / 2;
-          const float d = scales[(row * groups + g) * 2], m = scales[(row * groups + g) * 2 + 1];
-          for (int k = 0; k < kGroup / 2; ++k) {
-            values[k] = d * static_cast<float>(b[k] & 0x0F) + m;
-            values[k + kGroup / 2] = d * static_cast<float>(b[k] >> 4) + m;
-          }
-        } else {
-          const auto* b = reinterpret_cast<const int8_t*>(q) + row * inputs + g * kGroup;
-          const float d = scales[row * groups + g];
-          for (int k = 0; k < kGroup; ++k) values[k] = d * static_cast<float>(b[k]);
-        }
-        for (int k = 0; k < kGroup; k += W) store(out + i * inputs + g * kGroup + k, fvec::loadu(values + k));
-      }
-  });
-}
+}  // namespace
 
 // Whether oneDNN runs GEMMs in this dtype on this CPU (bf16: with AVX-512 or AMX; not when the
 // worker limits oneDNN to AVX2, engine.cpu_isa).
@@ -253,10 +41,9 @@ bool onednn_runs(at::ScalarType dtype) {
 // into a buffer the calling thread keeps (a fresh allocation of that size was mapped anew on each
 // call, and its page faults cost more than the GEMM), each chunk laid out for oneDNN's kernel where
 // oneDNN runs the dtype (torch's plain fp32 GEMM took 1.6x as long at 128 tokens).
-template <typename T, typename Fill>
-at::Tensor widened_linear(const at::Tensor& x, int64_t rows, const std::optional<at::Tensor>& bias, Fill fill) {
+at::Tensor widened_linear(const at::Tensor& x, int64_t rows, const std::optional<at::Tensor>& bias, const Widen& fill) {
   const int64_t tokens = x.size(0), inputs = x.size(1);
-  const int64_t chunk = std::min(rows, std::max<int64_t>(64, kScratchBytes / (inputs * static_cast<int64_t>(sizeof(T))) / 64 * 64));
+  const int64_t chunk = std::min(rows, std::max<int64_t>(64, kScratchBytes / (inputs * x.element_size()) / 64 * 64));
   static thread_local at::Tensor scratch;
   if (!scratch.defined() || scratch.scalar_type() != x.scalar_type() || scratch.numel() < chunk * inputs)
     scratch = at::empty({chunk * inputs}, x.options());
@@ -272,37 +59,6 @@ at::Tensor widened_linear(const at::Tensor& x, int64_t rows, const std::optional
   }
   return y;
 }
-
-template <typename T>
-at::Tensor run(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
-               const std::optional<at::Tensor>& bias, int bits) {
-  const int64_t tokens = x.size(0), inputs = x.size(1), rows = weight.size(0), groups = inputs / kGroup;
-  if (tokens >= kGemmTokens) {
-    const auto* q = reinterpret_cast<const uint8_t*>(weight.data_ptr());
-    return widened_linear<T>(x, rows, bias, [&](int64_t first, int64_t n, at::Tensor& wide) {
-      widen<T>(q, scales.data_ptr<c10::Half>(), bits, first, inputs, wide);
-    });
-  }
-  std::vector<int8_t> p(tokens * inputs);
-  std::vector<float> s(tokens * groups), ss(tokens * groups);
-  const T* in = x.data_ptr<T>();
-  at::parallel_for(0, tokens, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t)
-      quantize_row(in + t * x.stride(0), groups, p.data() + t * inputs, s.data() + t * groups, ss.data() + t * groups);
-  });
-  std::vector<Quantized> xs;
-  for (int64_t t = 0; t < tokens; ++t) xs.push_back({p.data() + t * inputs, s.data() + t * groups, ss.data() + t * groups});
-  auto y = at::empty({tokens, rows}, x.options());
-  const float* b = bias ? bias->data_ptr<float>() : nullptr;
-  const auto* w = reinterpret_cast<const uint8_t*>(weight.data_ptr());
-  if (bits == 4)
-    linear_rows<4, T>(xs, w, scales.data_ptr<c10::Half>(), b, y.data_ptr<T>(), rows, groups);
-  else
-    linear_rows<8, T>(xs, w, scales.data_ptr<c10::Half>(), b, y.data_ptr<T>(), rows, groups);
-  return y;
-}
-
-}  // namespace
 
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
   static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
@@ -323,28 +79,10 @@ at::Tensor unpacked_linear(const at::Tensor& x, const at::Tensor& weight, const 
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == x.scalar_type(),
               "x (T, in) and a contiguous weight (out, in) of its dtype");
   if (x.size(0) < kGemmTokens || onednn_runs(x.scalar_type())) return at::linear(x, weight, bias);
-  const auto wide = widened_linear<float>(x.to(at::kFloat), weight.size(0), bias, [&](int64_t first, int64_t n, at::Tensor& out) {
+  const auto wide = widened_linear(x.to(at::kFloat), weight.size(0), bias, [&](int64_t first, int64_t n, at::Tensor& out) {
     out.copy_(weight.narrow(0, first, n));
   });
   return wide.to(x.scalar_type());
-}
-
-at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
-                            const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % kGroup == 0, "x (T, in), in a multiple of 32, a unit stride");
-  const int64_t rows = weight.size(0), groups = x.size(1) / kGroup;
-  const int bits = weight.size(1) * 2 == x.size(1) ? 4 : 8;
-  TORCH_CHECK(weight.is_contiguous() && weight.element_size() == 1 && (bits == 4 || weight.size(1) == x.size(1)),
-              "weight (out, in / 2) 4-bit or (out, in) 8-bit bytes");
-  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kHalf &&
-                  scales.sizes() == at::IntArrayRef({rows, groups, bits == 4 ? 2 : 1}),
-              "scales (out, in / 32, 2) fp16 for 4 bits: d, m; (out, in / 32, 1) for 8 bits");
-  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->numel() == rows), "bias (out,) fp32");
-  if (x.size(0) >= kGemmTokens && !onednn_runs(x.scalar_type()))  // the GEMM in fp32, as unpacked_linear's
-    return quantized_linear(x.to(at::kFloat), weight, scales, bias).to(x.scalar_type());
-  if (x.scalar_type() == at::kBFloat16) return run<c10::BFloat16>(x, weight, scales, bias, bits);
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "fp32 or bf16");
-  return run<float>(x, weight, scales, bias, bits);
 }
 
 }  // namespace cyllm::CYLLM_OPS
@@ -352,6 +90,4 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& weight, const
 TORCH_LIBRARY_FRAGMENT(CYLLM_OPS, m) {
   m.def("unpacked_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.impl("unpacked_linear", c10::DispatchKey::CPU, &cyllm::CYLLM_OPS::unpacked_linear);
-  m.def("quantized_linear(Tensor x, Tensor weight, Tensor scales, Tensor? bias) -> Tensor");
-  m.impl("quantized_linear", c10::DispatchKey::CPU, &cyllm::CYLLM_OPS::quantized_linear);
 }

@@ -3,6 +3,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <functional>
 #include <optional>
 #include <tuple>
 
@@ -40,7 +41,17 @@ at::Tensor pack_linear_weight(const at::Tensor& weight, int64_t tokens);
 // AVX-512): torch's GEMV for a few rows, a GEMM on the weight widened to fp32 for many.
 at::Tensor unpacked_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
 
-// x (T, in) fp32 or bf16 times 4- or 8-bit weights (linear.py's QuantLinear) -> (T, out) of x's dtype.
+// From this many rows of x on, a GEMM on the weight widened to full precision beats a GEMV on it.
+constexpr int64_t kGemmTokens = 16;
+
+// Whether oneDNN runs GEMMs in this dtype on this CPU; x (T, in) times a (rows, in) weight that
+// fill(first, n, wide) writes in x's dtype a chunk of rows at a time (cpu_linear.cpp).
+bool onednn_runs(at::ScalarType dtype);
+using Widen = std::function<void(int64_t first, int64_t n, at::Tensor& wide)>;
+at::Tensor widened_linear(const at::Tensor& x, int64_t rows, const std::optional<at::Tensor>& bias, const Widen& fill);
+
+// x (T, in) fp32 or bf16 times 4- or 8-bit weights (linear.py's QuantLinear) -> (T, out) of x's dtype
+// (cpu_quant.cpp).
 at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                             const std::optional<at::Tensor>& bias);
 
