@@ -17,6 +17,7 @@ from worker.engines.native import kernels
 from worker.engines.native.attention import decode_attention, gather_attention
 
 pytestmark = pytest.mark.skipif(not shutil.which("c++"), reason="no C++ compiler: the kernels cannot be built here")
+ISA_LIMITS = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")  # what a probe starts without
 # The folder the engine tests' configs name, so one build serves the whole run.
 KERNEL_DIR = load_config(None, {"HOME": "/tmp"}).engine.kernel_dir
 
@@ -80,7 +81,8 @@ def test_an_isa_this_cpu_cannot_run_is_refused_and_auto_is_its_best():
 
 def test_an_isa_below_the_best_limits_onednn_and_aten_before_torch_starts():
     avx512 = frozenset({"avx2", "fma", "f16c", "bmi2", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"})
-    assert isa_environment("avx2", "x86_64", avx512) == {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+    assert isa_environment("avx2", "x86_64", avx512) == {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2",
+                                                         "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
     assert isa_environment("auto", "x86_64", avx512) == isa_environment("avx512", "x86_64", avx512) == {}
     assert isa_environment("avx2", "x86_64", avx512 - {"avx512f"}) == {}  # already the best: nothing to limit
     if "avx512" not in runnable_isas(*this_cpu()):
@@ -89,7 +91,7 @@ def test_an_isa_below_the_best_limits_onednn_and_aten_before_torch_starts():
     probe = ("from worker.cli import _limit_cpu_isa; _limit_cpu_isa('avx2'); import torch; "
              "print(torch.backends.cpu.get_cpu_capability(), torch.ops.mkldnn._is_mkldnn_bf16_supported())")
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
-                            env={k: v for k, v in os.environ.items() if k not in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")})
+                            env={k: v for k, v in os.environ.items() if k not in ISA_LIMITS})
     assert result.stdout.split() == ["AVX2", "False"]
 
 
@@ -119,7 +121,7 @@ torch.testing.assert_close(packed(x), expected, atol=0, rtol=0)
 print("ok")
 """
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                            env={k: v for k, v in os.environ.items() if k not in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")})
+                            env={k: v for k, v in os.environ.items() if k not in ISA_LIMITS})
     assert result.stdout.split()[-1:] == ["ok"], result.stderr[-3000:]
 
 

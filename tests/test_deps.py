@@ -236,6 +236,19 @@ def test_presets_fill_only_what_the_config_leaves_unset(registry):
     assert apply_preset(explicit, preset, ())[0].resources.max_concurrency == 3
 
 
+def test_cpu_presets_pick_the_dtype_native_measured_fastest(registry):
+    """bf16 on AVX-512 (oneDNN runs it), fp32 on AVX2 (bench/results/engines_cpu*.json); an
+    explicit engine.dtype stays."""
+    assert registry.preset("cpu-x86_64-avx512", "native").dtype == "bfloat16"
+    assert registry.preset("cpu-x86_64-avx2", "native").dtype == "float32"
+    assert registry.preset("cpu-arm64", "native").dtype is None  # not measured: the engine's auto
+    preset = registry.preset("cpu-x86_64-avx512", "native")
+    applied_config, applied = apply_preset(load_config(None, {"HOME": "/h"}), preset, ())
+    assert applied_config.engine.dtype == "bfloat16" and applied["engine.dtype"] == "bfloat16"
+    explicit = load_config(None, {"HOME": "/h", "CYLLM_ENGINE__DTYPE": "float32"})
+    assert apply_preset(explicit, preset, ())[0].engine.dtype == "float32"
+
+
 def test_arm64_pins_have_aarch64_wheels(registry, tmp_path):
     """pip on this x86_64 host, asked for aarch64 wheels. torch's aarch64 CPU build lives on PyTorch's
     CPU index only (PyPI's aarch64 torch is a CUDA build), which this network cannot reach, so torch

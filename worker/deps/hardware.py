@@ -159,10 +159,12 @@ def runnable_isas(arch: str, flags: frozenset[str]) -> list[str]:
 
 
 def isa_environment(isa: str, arch: str, flags: frozenset[str]) -> dict[str, str]:
-    """What oneDNN (the linear layers) and ATen (torch's own CPU kernels) read from the environment,
-    once, before their first op, to keep below this CPU's best ISA: empty for auto and the best."""
+    """What oneDNN (the linear layers), ATen (torch's own CPU kernels) and MKL (torch's fp32 GEMMs,
+    which vLLM's CPU linears call) read from the environment, once, before their first op, to keep
+    below this CPU's best ISA: empty for auto and the best."""
     runnable = runnable_isas(arch, flags)
     if isa == "auto" or isa not in runnable or isa == runnable[0]:
         return {}
-    return {"avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"},
-            "default": {"ONEDNN_MAX_CPU_ISA": "SSE41", "ATEN_CPU_CAPABILITY": "default"}}.get(isa, {})
+    return {"avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+            "default": {"ONEDNN_MAX_CPU_ISA": "SSE41", "ATEN_CPU_CAPABILITY": "default",
+                        "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"}}.get(isa, {})

@@ -46,6 +46,7 @@ class Preset:
     block_size: int
     gpu_memory_utilization: float | None = None
     quantization: str | None = None
+    dtype: str | None = None  # engine.dtype where the config sets none (CPU: what measured fastest)
 
 
 class Registry:
@@ -182,12 +183,16 @@ def _json_path(parts) -> str:
 
 def apply_preset(config: Any, preset: Preset, engine_args: tuple[str, ...]) -> tuple[Any, dict[str, Any]]:
     """The config with the preset's values where the user set none: max_num_seqs becomes the
-    concurrency limit, and the keys the engine takes (`engine_args`) become engine arguments."""
+    concurrency limit, dtype engine.dtype, and the keys the engine takes (`engine_args`) become
+    engine arguments."""
     applied: dict[str, Any] = {}
     resources, engine = config.resources, config.engine
     if "resources.max_concurrency" not in config.explicit_keys:
         resources = dataclasses.replace(resources, max_concurrency=preset.max_num_seqs)
         applied["resources.max_concurrency"] = preset.max_num_seqs
+    if preset.dtype is not None and "engine.dtype" not in config.explicit_keys:
+        engine = dataclasses.replace(engine, dtype=preset.dtype)
+        applied["engine.dtype"] = preset.dtype
     args = dict(engine.args)
     for key in engine_args:
         value = getattr(preset, key)

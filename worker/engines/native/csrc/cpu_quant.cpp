@@ -351,7 +351,7 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& weight, const
                   scales.sizes() == at::IntArrayRef({rows, groups, bits == 4 ? 2 : 1}),
               "scales (out, in / 32, 2) fp16 for 4 bits: d, m; (out, in / 32, 1) for 8 bits");
   TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->numel() == rows), "bias (out,) fp32");
-  if (x.size(0) >= kGemmTokens && !onednn_runs(x.scalar_type()))  // the GEMM in fp32, as unpacked_linear's
+  if (x.size(0) >= kGemmTokens && x.scalar_type() != at::kFloat && !onednn_runs(x.scalar_type()))  // the GEMM in fp32
     return quantized_linear(x.to(at::kFloat), weight, scales, bias).to(x.scalar_type());
   if (x.scalar_type() == at::kBFloat16) return run<c10::BFloat16>(x, weight, scales, bias, bits);
   TORCH_CHECK(x.scalar_type() == at::kFloat, "fp32 or bf16");
