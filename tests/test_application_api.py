@@ -65,7 +65,10 @@ def api(request, reference, embedded_model, sidecar_binary):
     """(openai client, worker control stub, engine name): one worker and a sidecar in front of it."""
     import openai
 
-    worker = WorkerProcess("--engine", request.param, "--model", MODEL, "--set", "resources.max_concurrency=8")
+    # fp32 pinned: the logprobs are checked against an fp32 forward pass, and a mixed batch against
+    # each request alone, which bf16 (native's preset on AVX-512 CPUs) rounds differently per batch.
+    worker = WorkerProcess("--engine", request.param, "--model", MODEL, "--set", "resources.max_concurrency=8",
+                           "--set", "engine.dtype=float32")
     front = None
     try:
         worker.wait_ready(300)

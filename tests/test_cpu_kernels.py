@@ -128,7 +128,7 @@ print("ok")
 @pytest.mark.skipif(not shutil.which("aarch64-linux-gnu-g++"), reason="no arm64 cross compiler (.ci/run installs "
                     "Debian's g++-aarch64-linux-gnu)")
 @pytest.mark.parametrize(("source", "extra"), [(source, []) for source in kernels.SOURCES] + [
-    (kernels.CSRC / "cpu_linear.cpp", ["-march=armv8.2-a+dotprod"])], ids=[s.stem for s in kernels.SOURCES] + ["linear-dotprod"])
+    (kernels.CSRC / "cpu_quant.cpp", ["-march=armv8.2-a+dotprod"])], ids=[s.stem for s in kernels.SOURCES] + ["quant-dotprod"])
 def test_the_neon_build_compiles_for_arm64(source, extra, tmp_path):
     """The NEON path cannot run here; each source still compiles for armv8.2-a against torch's headers
     (the quantized dot products also with the dot-product instructions most arm64 servers have)."""
