@@ -11,7 +11,7 @@ import pytest
 
 from worker.config_loader import load_config
 from worker.deps.environment import Lock, verify_environment
-from worker.deps.hardware import HardwareProfile, detect_hardware
+from worker.deps.hardware import HardwareProfile, detect_hardware, flags_within
 from worker.deps.install import pip_install_command, write_lock
 from worker.deps.registry import DEFAULT_REGISTRY, WORKER_ENGINES, Registry, RegistryError, apply_preset
 
@@ -247,6 +247,17 @@ def test_cpu_presets_pick_the_dtype_native_measured_fastest(registry):
     assert applied_config.engine.dtype == "bfloat16" and applied["engine.dtype"] == "bfloat16"
     explicit = load_config(None, {"HOME": "/h", "CYLLM_ENGINE__DTYPE": "float32"})
     assert apply_preset(explicit, preset, ())[0].engine.dtype == "float32"
+
+
+def test_an_isa_below_the_best_picks_that_isa_s_profile(registry):
+    """engine.cpu_isa=avx2 on an AVX-512 CPU runs what an AVX2-only CPU runs, so it gets that
+    profile's preset (fp32, not the bf16 that oneDNN no longer runs)."""
+    flags = frozenset({"avx", "avx2", "fma", "f16c", "bmi2", "avx512f", "avx512bw", "avx512vl", "avx512dq",
+                       "avx512cd", "avx512_bf16", "amx_bf16"})
+    profile = lambda isa: registry.match(HardwareProfile("cpu", "x86_64", flags_within(isa, "x86_64", flags)))  # noqa: E731
+    assert [profile(isa) for isa in ("auto", "avx512", "avx2")] == ["cpu-x86_64-avx512"] * 2 + ["cpu-x86_64-avx2"]
+    assert flags_within("default", "x86_64", flags) == frozenset({"bmi2"})
+    assert flags_within("avx2", "x86_64", flags - {"avx512f"}) == flags - {"avx512f"}  # already its best
 
 
 def test_arm64_pins_have_aarch64_wheels(registry, tmp_path):

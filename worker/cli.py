@@ -204,8 +204,11 @@ def _serve(config: Config) -> int:
 
 
 def _with_preset(config: Config) -> Config:
-    """Applies the registry's preset for the detected (hardware, engine) where the config is silent."""
-    from worker.deps.hardware import detect_hardware
+    """Applies the registry's preset for the detected (hardware, engine) where the config is silent;
+    an engine.cpu_isa below the CPU's best picks the profile of a CPU whose best it is."""
+    import dataclasses
+
+    from worker.deps.hardware import detect_hardware, flags_within
     from worker.deps.registry import WORKER_ENGINES, Registry, RegistryError, apply_preset
     from worker.engines.factory import ENGINES
     from worker.telemetry import get_logger
@@ -215,7 +218,11 @@ def _with_preset(config: Config) -> Config:
         return config
     try:
         registry = Registry.load(os.environ.get("CYLLM_REGISTRY"))
-        profile = registry.match(detect_hardware())
+        hardware = detect_hardware()
+        if hardware.vendor == "cpu":
+            hardware = dataclasses.replace(hardware, cpu_flags=flags_within(config.engine.cpu_isa, hardware.arch,
+                                                                            hardware.cpu_flags))
+        profile = registry.match(hardware)
     except RegistryError as exc:
         log.warning("no preset applied", reason=str(exc))
         return config

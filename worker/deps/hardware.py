@@ -158,6 +158,18 @@ def runnable_isas(arch: str, flags: frozenset[str]) -> list[str]:
     return [isa for isa, (needs_arch, needs) in CPU_ISAS.items() if needs_arch in (None, arch) and needs <= flags]
 
 
+def flags_within(isa: str, arch: str, flags: frozenset[str]) -> frozenset[str]:
+    """The CPU's flags as a CPU whose best is `isa` would have them (engine.cpu_isa below the best:
+    the registry's profile, and so the preset, is the one for what runs): AVX-512 and AMX dropped
+    for avx2, every vector extension for default."""
+    runnable = runnable_isas(arch, flags)
+    if isa not in runnable or isa == runnable[0]:
+        return flags
+    if isa == "avx2":
+        return frozenset(f for f in flags if not f.startswith(("avx512", "amx")))
+    return frozenset(f for f in flags if not f.startswith(("avx", "amx", "fma", "f16c", "asimd", "sve")))
+
+
 def isa_environment(isa: str, arch: str, flags: frozenset[str]) -> dict[str, str]:
     """What oneDNN (the linear layers), ATen (torch's own CPU kernels) and MKL (torch's fp32 GEMMs,
     which vLLM's CPU linears call) read from the environment, once, before their first op, to keep
