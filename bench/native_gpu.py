@@ -5,13 +5,17 @@ For each model shape (random weights, default RoPE; a word-level tokenizer of th
    against HF's forward for prompts one by one and batched with a shared prefix; one step's logits;
 2. throughput, bf16, 128 prompt / 256 new tokens at each batch: the native engine (all requests
    submitted at once) and HF `generate` (eager, static batch); time from start to ready;
-3. the HBM roofline at batch 1: weight bytes / measured device copy bandwidth;
-   and the decode-attention kernel alone, contexts split in parts and not, by context length;
+3. a step-time model (bench/gpu_roofline.py) at every batch: the decode step's lower bound from its
+   weight + KV bytes and its FLOPs against the measured copy bandwidth and bf16 matmul rate, each run
+   as a fraction of it, and the batch's prefill as a fraction of the matmul rate; the decode steps
+   at each batch under the torch profiler (device time by kernel, the host's gaps); and the
+   decode-attention kernel alone, contexts split in parts and not, by context length;
 4. prefix sharing (first shape): 64 requests after one 1,024-token system prompt, cache on and off.
 
 Writes bench/results/native_gpu.json and native_gpu.png.
 
     python bench/native_gpu.py [--shapes llama-3.2-1b,llama-3.1-8b] [--batches 1,16,64,256] [--repeats 3]
+                               [--skip-equivalence] [--skip-prefix]
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.gpu_roofline import DecodeProfile, StepModel, copy_bandwidth, matmul_peak  # noqa: E402
 from worker.config_loader import load_config  # noqa: E402
 from worker.engines.native.engine import NativeEngine  # noqa: E402
 from worker.loadgen import percentile  # noqa: E402
@@ -73,8 +78,10 @@ def engine_for(folder: Path, dtype: str, **args) -> NativeEngine:
     return NativeEngine(config)
 
 
-async def run_requests(engine: NativeEngine, prompts: list[list[int]], new_tokens: int) -> dict:
-    """All prompts submitted at once; tokens/s over the whole run and TTFT per request."""
+async def run_requests(engine: NativeEngine, prompts: list[list[int]], new_tokens: int,
+                       profile: DecodeProfile | None = None) -> dict:
+    """All prompts submitted at once; tokens/s over the whole run and TTFT per request. `profile`
+    is read from the last first token to the end: the decode steps alone."""
     started = time.perf_counter()
     ttfts: list[float] = []
 
@@ -85,13 +92,20 @@ async def run_requests(engine: NativeEngine, prompts: list[list[int]], new_token
         async for out in engine.stream_predict(request):
             if not tokens:
                 ttfts.append(time.perf_counter() - started)
+                if profile is not None and len(ttfts) == len(prompts):
+                    profile.mark()
             tokens.extend(out.token_ids)
         return tokens
 
     outputs = await asyncio.gather(*(one(i, ids) for i, ids in enumerate(prompts)))
     wall = time.perf_counter() - started
+    # Every prompt is in by the last first token; from there the batch decodes in lockstep.
+    last_first = max(ttfts)
     return {"outputs": outputs, "wall_s": wall, "tokens_per_s": sum(map(len, outputs)) / wall,
-            "ttft_ms_p50": percentile(ttfts, 50) * 1000, "ttft_ms_p99": percentile(ttfts, 99) * 1000}
+            "ttft_ms_p50": percentile(ttfts, 50) * 1000, "ttft_ms_p99": percentile(ttfts, 99) * 1000,
+            "ttft_ms_max": last_first * 1000,
+            "decode_step_ms": (wall - last_first) / max(1, new_tokens - 1) * 1000,
+            **({"decode_profile": profile.stop(new_tokens - 1)} if profile is not None else {})}
 
 
 @torch.inference_mode()
@@ -160,23 +174,6 @@ def decode_attention_split() -> list[dict]:
     return rows
 
 
-def copy_bandwidth() -> float:
-    """Bytes read + written per second by a device-to-device copy of 4 GiB (256 MiB on a CPU)."""
-    size = 1 << 32 if DEVICE == "cuda" else 1 << 28
-    src = torch.empty(size // 2, dtype=torch.int16, device=DEVICE)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    synchronize()
-    started = time.perf_counter()
-    for _ in range(10):
-        dst.copy_(src)
-    synchronize()
-    seconds = (time.perf_counter() - started) / 10
-    del src, dst
-    return 2 * size / seconds
-
-
 async def equivalence(shape: dict, work: Path) -> dict:
     folder = work / "fp32"
     hf = make_folder(shape, torch.float32, folder)
@@ -235,13 +232,15 @@ async def prefix_sharing(folder: Path, vocab: int) -> dict:
     return rows
 
 
-async def throughput(name: str, shape: dict, batches: list[int], work: Path, bandwidth: float, prefix: bool,
-                     repeats: int) -> dict:
+async def throughput(name: str, shape: dict, batches: list[int], work: Path, bandwidth: float, peak: float,
+                     prefix: bool, repeats: int) -> dict:
     folder = work / name
     hf = make_folder(shape, torch.bfloat16, folder)
     weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
-    row = {"shape": name, **shape, "weight_bytes": weight_bytes, "roofline_batch1_tokens_per_s": bandwidth / weight_bytes,
-           "hf_generate": {}, "native": {}}
+    model = StepModel(shape, bandwidth, peak)
+    row = {"shape": name, **shape, "weight_bytes": weight_bytes,
+           "roofline_batch1_tokens_per_s": 1000 / model.decode(1, PROMPT + NEW / 2)["bound_ms"],
+           "hf_generate": {}, "native": {}, "profile": {}}
     for batch in batches:
         row["hf_generate"][batch] = hf_generate(hf, batch, NEW)
         print(f"  {name} HF generate batch {batch}: {row['hf_generate'][batch]:8.0f} tok/s", flush=True)
@@ -269,10 +268,26 @@ async def throughput(name: str, shape: dict, batches: list[int], work: Path, ban
                 runs[-1].pop("outputs")
             all_runs = [r["tokens_per_s"] for r in runs]
             result = {**sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2], "runs_tokens_per_s": all_runs}
+            # The step model at the decode's mean context, and the prefill of the whole batch
+            # (every prompt is in by the last first token).
+            decode = model.decode(batch, PROMPT + NEW / 2)
+            prefill = model.prefill(batch, PROMPT)
+            result["decode_bound"] = {**decode, "of_bound": decode["bound_ms"] / result["decode_step_ms"]}
+            result["prefill_bound"] = {**prefill, "of_peak": prefill["bound_ms"] / result["ttft_ms_max"]}
             row["native"][batch] = result
             print(f"  {name} native batch {batch}: {result['tokens_per_s']:8.0f} tok/s (HF "
                   f"{row['hf_generate'][batch]:.0f}), TTFT p50 {result['ttft_ms_p50']:.0f} ms; runs "
-                  f"{', '.join(f'{t:.0f}' for t in all_runs)}", flush=True)
+                  f"{', '.join(f'{t:.0f}' for t in all_runs)}; decode step {result['decode_step_ms']:.3f} ms = "
+                  f"{result['decode_bound']['of_bound']:.0%} of its {decode['bound_by']} bound "
+                  f"{decode['bound_ms']:.3f} ms; prefill of {prefill['tokens']} tokens {result['ttft_ms_max']:.1f} ms = "
+                  f"{result['prefill_bound']['of_peak']:.0%} of the matmul peak", flush=True)
+            if DEVICE == "cuda":
+                prompts = [[rng.randrange(2, shape["vocab_size"]) for _ in range(PROMPT)] for _ in range(batch)]
+                steps = (await run_requests(engine, prompts, 64, DecodeProfile()))["decode_profile"]
+                row["profile"][batch] = steps
+                print(f"  {name} decode profile batch {batch}: {steps['wall_ms_per_step']:.3f} ms a step, device busy "
+                      f"{steps['device_busy_ms_per_step']:.3f}, {steps['kernels_per_step']:.0f} kernels: " + "; ".join(
+                          f"{k['kernel'][:32]} {k['ms_per_step']:.3f}" for k in steps["top"][:6]), flush=True)
     finally:
         await engine.unload_model()
     if prefix:
@@ -293,7 +308,11 @@ def plot(result: dict, path: Path) -> None:
         x = range(len(batches))
         ax.bar([i - 0.2 for i in x], [row["hf_generate"][b] for b in batches], 0.4, label="HF generate (eager)")
         ax.bar([i + 0.2 for i in x], [row["native"][b]["tokens_per_s"] for b in batches], 0.4, label="native")
-        ax.axhline(row["roofline_batch1_tokens_per_s"], color="k", linestyle=":", label="batch-1 HBM roofline")
+        bounds = [int(b) * 1000 / row["native"][b]["decode_bound"]["bound_ms"] for b in batches]
+        ax.plot([i + 0.2 for i in x], bounds, "k_", markersize=30, label="decode step-model bound")
+        for i, b in enumerate(batches):
+            ax.annotate(f"{row['native'][b]['decode_bound']['of_bound']:.0%}", (i + 0.2, row["native"][b]["tokens_per_s"]),
+                        ha="center", va="bottom", fontsize=8)
         ax.set_yscale("log")
         ax.set_xticks(list(x), [f"batch {b}" for b in batches])
         ax.set_ylabel("tokens/s")
@@ -308,14 +327,17 @@ async def main() -> int:
     parser.add_argument("--shapes", default="llama-3.2-1b,llama-3.1-8b")
     parser.add_argument("--batches", default="1,16,64,256")
     parser.add_argument("--skip-equivalence", action="store_true")
+    parser.add_argument("--skip-prefix", action="store_true", help="leave out the prefix-sharing run")
     parser.add_argument("--repeats", type=int, default=3, help="native runs at each batch size; the median is reported")
     args = parser.parse_args()
     names = args.shapes.split(",")
     batches = [int(b) for b in args.batches.split(",")]
     result = {"benchmark": "native_gpu", "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__,
               "when": time.strftime("%Y-%m-%d %H:%M"), "prompt_tokens": PROMPT, "new_tokens": NEW}
-    result["copy_bandwidth_bytes_per_s"] = copy_bandwidth()
-    print(f"copy bandwidth {result['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s", flush=True)
+    result["copy_bandwidth_bytes_per_s"] = copy_bandwidth(DEVICE)
+    result["matmul_peak_flops"] = matmul_peak(DEVICE)
+    print(f"copy bandwidth {result['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul "
+          f"{result['matmul_peak_flops'] / 1e12:.0f} TFLOP/s", flush=True)
     if DEVICE == "cuda":
         result["decode_attention_split"] = decode_attention_split()
     with tempfile.TemporaryDirectory(dir=os.environ.get("CYLLM_BENCH_TMP")) as work:
@@ -325,7 +347,8 @@ async def main() -> int:
         result["shapes"] = []
         for index, name in enumerate(names):
             result["shapes"].append(await throughput(name, SHAPES[name], batches, Path(work),
-                                                     result["copy_bandwidth_bytes_per_s"], prefix=index == 0,
+                                                     result["copy_bandwidth_bytes_per_s"], result["matmul_peak_flops"],
+                                                     prefix=index == 0 and not args.skip_prefix,
                                                      repeats=args.repeats))
             for row in result["shapes"]:  # written as it goes: a later shape may not fit the time
                 RESULTS.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,127 @@
+"""The GPU's ceilings and a step-time model for bench/native_gpu.py.
+
+A decode step of batch B at context c must at least read the weights its matmuls use and the KV
+cache of every sequence, and do their FLOPs; so its lower bound is
+
+    max((weight bytes + B * c * kv bytes a token) / copy bandwidth,
+        (2 * B * matmul weights + 4 * B * c * layers * heads * head_dim) / matmul peak)
+
+with both ceilings measured on the device, not taken from a datasheet. A prefill of T tokens is
+bounded by its FLOPs alone (the weights are read once for thousands of tokens). DecodeProfile says
+where a decode step's time goes, kernel by kernel, and how much of it the device sits idle.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import torch
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes read + written per second by a device-to-device copy of 4 GiB (256 MiB on a CPU)."""
+    size = 1 << 32 if device == "cuda" else 1 << 28
+    src = torch.empty(size // 2, dtype=torch.int16, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    _sync(device)
+    started = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    _sync(device)
+    seconds = (time.perf_counter() - started) / 10
+    del src, dst
+    return 2 * size / seconds
+
+
+def matmul_peak(device: str) -> float:
+    """bf16 FLOP/s of an 8192^3 matmul on random data (1024^3 on a CPU), the best of 10."""
+    n = 8192 if device == "cuda" else 1024
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    _sync(device)
+    best = float("inf")
+    for _ in range(10):
+        started = time.perf_counter()
+        a @ b
+        _sync(device)
+        best = min(best, time.perf_counter() - started)
+    return 2 * n ** 3 / best
+
+
+class StepModel:
+    """The bytes and FLOPs of a Llama shape's steps, in bf16."""
+
+    def __init__(self, shape: dict, bandwidth: float, peak: float):
+        hidden, inter, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
+        heads, kv_heads, dim, vocab = (shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"],
+                                       shape["vocab_size"])
+        per_layer = hidden * (heads * dim + 2 * kv_heads * dim) + heads * dim * hidden + 3 * hidden * inter
+        self.layer_weights = layers * per_layer
+        self.lm_head = vocab * hidden  # read whole every step; the embedding only by the rows looked up
+        self.kv_bytes_per_token = layers * 2 * kv_heads * dim * 2
+        self.attention_flops_per_context = 4 * layers * heads * dim  # QK^T and PV, per query and key
+        self.bandwidth, self.peak = bandwidth, peak
+
+    def decode(self, batch: int, context: float) -> dict:
+        read = 2 * (self.layer_weights + self.lm_head) + batch * context * self.kv_bytes_per_token
+        flops = 2 * batch * (self.layer_weights + self.lm_head) + batch * context * self.attention_flops_per_context
+        bound = max(read / self.bandwidth, flops / self.peak)
+        return {"bytes": read, "flops": flops, "bound_ms": bound * 1000,
+                "bound_by": "bytes" if read / self.bandwidth >= flops / self.peak else "flops"}
+
+    def prefill(self, batch: int, prompt: int) -> dict:
+        """`batch` prompts of `prompt` tokens, causal attention, the output layer on each last token."""
+        tokens = batch * prompt
+        flops = (2 * tokens * self.layer_weights + 2 * batch * self.lm_head
+                 + batch * prompt * (prompt + 1) / 2 * self.attention_flops_per_context)
+        return {"tokens": tokens, "flops": flops, "bound_ms": flops / self.peak * 1000}
+
+
+class DecodeProfile:
+    """The torch profiler over a run, read from a mark on (set once every prompt is in): per decode
+    step, the device's busy time by kernel (whichever thread launched it), the kernels run and the
+    wall time, so the gap between them is the host's. It runs from before the requests go in: a
+    profiler started at the mark would miss the tens of steps that run while it starts."""
+
+    MARK = "cyllm.decode_start"
+
+    def __init__(self, top: int = 12):
+        from torch.profiler import ProfilerActivity, profile
+
+        self.top = top
+        self.prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+        self.prof.__enter__()
+        self.marked = None
+
+    def mark(self) -> None:
+        with torch.profiler.record_function(self.MARK):
+            self.marked = time.perf_counter()
+
+    def stop(self, steps: int) -> dict:
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - self.marked
+        self.prof.__exit__(None, None, None)
+        events = self.prof.events()
+        since = next(e.time_range.start for e in events if e.name == self.MARK)
+        kernels: Counter[str] = Counter()
+        launches = 0
+        for event in events:
+            if event.device_type == torch.autograd.DeviceType.CUDA and event.time_range.start >= since:
+                kernels[event.name[:90]] += event.time_range.elapsed_us()
+                launches += 1
+        busy = sum(kernels.values())
+        largest = kernels.most_common(self.top)
+        return {"steps": steps, "wall_ms_per_step": wall * 1000 / steps, "device_busy_ms_per_step": busy / 1000 / steps,
+                "kernels_per_step": launches / steps,
+                "top": [{"kernel": name, "ms_per_step": us / 1000 / steps, "share": us / busy} for name, us in largest],
+                "rest_ms_per_step": (busy - sum(us for _, us in largest)) / 1000 / steps}
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
