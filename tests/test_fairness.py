@@ -143,11 +143,21 @@ async def test_a_tenant_at_its_cap_waits_without_blocking_others():
 
 
 async def test_headroom_keeps_slots_for_a_light_tenant_while_a_flood_holds_the_rest():
-    async def flood_then_light(headroom: int) -> tuple[int, bool]:
-        scheduler = make(Fairness(headroom_slots=headroom), max_concurrency=8)
+    clock = [0.0]
+
+    def scheduler_of(headroom: int) -> TaskScheduler:
+        return TaskScheduler(max_concurrency=8, max_queue=1000, queue_timeout_s=30.0, budget_tokens=10_000,
+                             fairness=Fairness(headroom_slots=headroom, recent_s=30.0), clock=lambda: clock[0])
+
+    async def flood_after_light(headroom: int, idle_s: float) -> tuple[int, bool]:
+        """A light tenant asks once and is done; `idle_s` later the flood sends 12 and the light
+        tenant asks again: (the flood's running requests, whether the light one started at once)."""
+        scheduler = scheduler_of(headroom)
+        scheduler.release(await scheduler.admit(10, tenant="light"))
+        clock[0] += idle_s
         flood = [asyncio.create_task(scheduler.admit(10, tenant="flood")) for _ in range(12)]
         await asyncio.sleep(0)
-        running_alone = scheduler.load().running
+        flood_running = scheduler.load().running
         light = asyncio.create_task(scheduler.admit(10, tenant="light"))
         await asyncio.sleep(0)
         started = light.done()
@@ -157,19 +167,33 @@ async def test_headroom_keeps_slots_for_a_light_tenant_while_a_flood_holds_the_r
             with contextlib.suppress(asyncio.CancelledError):
                 scheduler.release(await task)
         assert scheduler.load() == make(max_concurrency=8).load()
-        return running_alone, started
+        return flood_running, started
 
-    assert await flood_then_light(0) == (8, False), "without headroom the flood fills every slot"
-    assert await flood_then_light(2) == (6, True), "the light tenant starts at once, the flood queued"
-    scheduler = make(Fairness(headroom_slots=2), max_concurrency=8)
-    lights = [await asyncio.wait_for(scheduler.admit(10, tenant="light"), 1) for _ in range(6)]
-    seventh = asyncio.create_task(scheduler.admit(10, tenant="light"))
+    assert await flood_after_light(0, 1.0) == (8, False), "without headroom the flood fills every slot"
+    assert await flood_after_light(2, 1.0) == (6, True), "the light tenant starts at once, the flood queued"
+    assert await flood_after_light(2, 31.0) == (8, False), "a tenant gone past recent_s holds no slots back"
+
+    # Tenants that all have work waiting leave nothing idle: the headroom is taken by whoever is
+    # under its share, and each holds its share once every slot is full.
+    scheduler = scheduler_of(2)
+    waiting = [asyncio.create_task(scheduler.admit(10, tenant=t)) for _ in range(10) for t in ("flood", "light")]
     await asyncio.sleep(0)
-    assert not seventh.done(), "a tenant alone holding half the slots stays out of the headroom"
-    scheduler.release(lights.pop())
-    lights.append(await asyncio.wait_for(seventh, 1))
-    for grant in lights:
-        scheduler.release(grant)
+    assert scheduler.load().running == 8 and scheduler.tenant_running == {"flood": 4, "light": 4}
+    while scheduler.queued_by_tenant()["light"]:  # the light tenant's requests end first, again and again
+        running = [t.result() for t in waiting if t.done() and not t.result().released]
+        scheduler.release(next(g for g in running if g.tenant == "light"))
+        await asyncio.sleep(0)
+        assert scheduler.load().running == 8, scheduler.tenant_running
+    # Now the light tenant has nothing waiting: its share stays free for its next request.
+    scheduler.release(next(t.result() for t in waiting if t.done() and t.result().tenant == "light"
+                           and not t.result().released))
+    await asyncio.sleep(0)
+    assert scheduler.tenant_running == {"flood": 4, "light": 3}, "the flood, at its share, stays out of the headroom"
+    for task in waiting:
+        task.cancel()
+    for task in waiting:
+        with contextlib.suppress(asyncio.CancelledError):
+            scheduler.release(await task)
     assert scheduler.load().running == 0 and not scheduler.tenant_running
 
 

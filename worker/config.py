@@ -211,8 +211,11 @@ class TenantsConfig:
     """Tenants labelled by name in metrics besides the named ones (first seen); the rest are `other`."""
     headroom_slots: int = 0
     """Slots kept for tenants holding few: the last N free slots go only to a tenant running fewer
-    than max_concurrency / (tenants active + 1), so a light tenant's request starts at once while a
-    flood holds the rest (admission cannot preempt). Costs the flood N slots when it runs alone."""
+    than max_concurrency / (tenants seen within recent_s), so a light tenant's request starts at
+    once while a flood holds the rest (admission cannot preempt). Costs the flood up to N slots
+    while a light tenant is between requests; none when it runs alone or everyone is backlogged."""
+    recent_s: float = 30.0
+    """How long a tenant counts toward the headroom's shares after its last request."""
 
     def validate(self) -> None:
         from worker.fairness import POLICIES, parse_limits
@@ -221,7 +224,7 @@ class TenantsConfig:
             raise ConfigError("tenants.key", "must be set")
         if self.policy not in POLICIES:
             raise ConfigError("tenants.policy", f"one of {', '.join(POLICIES)}")
-        for key in ("prompt_weight", "output_weight", "metric_tenants", "headroom_slots"):
+        for key in ("prompt_weight", "output_weight", "metric_tenants", "headroom_slots", "recent_s"):
             _check_range(f"tenants.{key}", getattr(self, key), 0, 1e6)
         for name, spec in self.named.items():
             try:

@@ -7,7 +7,7 @@ import asyncio
 import heapq
 import itertools
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
@@ -87,6 +87,8 @@ class TaskScheduler:
         self.rejections: Counter[str] = Counter()
         self.tenant_running: Counter[str] = Counter()
         self.tenant_budget: Counter[str] = Counter()
+        self._seen: OrderedDict[str, float] = OrderedDict()  # tenant -> when it last asked or had one end
+        self._recent = 1  # tenants active or seen within fairness.recent_s: the headroom's shares
 
     def load(self) -> Load:
         return Load(
@@ -138,6 +140,7 @@ class TaskScheduler:
             raise self._reject(RequestDeadlineExceeded("deadline passed before admission"), tenant)
         if not self.tenant_running[tenant] and tenant not in self._waiting:
             self.fairness.activate(tenant, set(self.tenant_running) | set(self._waiting))
+        self._saw(tenant, now)
         if not self._queued and self._fits(cost, tenant):
             return self._grant(cost, tenant, prompt_tokens, 0.0)
         if self._queued >= self.max_queue:
@@ -190,6 +193,7 @@ class TaskScheduler:
         self.tenant_budget[grant.tenant] -= grant.cost
         if not self.tenant_running[grant.tenant]:
             del self.tenant_running[grant.tenant], self.tenant_budget[grant.tenant]
+        self._saw(grant.tenant, self._clock())
         self._dispatch()
 
     def drain(self) -> None:
@@ -210,14 +214,25 @@ class TaskScheduler:
                 and self.tenant_budget[tenant] + cost <= self._tenant_budget(tenant)
                 and self._running < self._slots_for(tenant))
 
+    def _saw(self, tenant: str, now: float) -> None:
+        """Counts the tenants active now or seen within fairness.recent_s (only the headroom reads it)."""
+        if not self.fairness.headroom_slots:
+            return
+        self._seen[tenant] = now
+        self._seen.move_to_end(tenant)
+        since = now - self.fairness.recent_s
+        while self._seen and next(iter(self._seen.values())) < since:
+            self._seen.popitem(last=False)
+        self._recent = max(1, len(self._seen.keys() | self.tenant_running.keys() | self._waiting.keys()))
+
     def _slots_for(self, tenant: str) -> int:
-        """The slots `tenant` may fill: all, or all but the headroom when it already holds its
-        share with one more tenant counted (one may come at any moment)."""
+        """The slots `tenant` may fill: all, or all but the headroom once it holds its share of
+        them among the tenants seen lately (a light tenant between two requests keeps its share;
+        one alone, or tenants that all have work waiting, leave nothing idle)."""
         headroom = min(self.fairness.headroom_slots, self.max_concurrency - 1)
         if not headroom:
             return self.max_concurrency
-        active = len(set(self.tenant_running) | set(self._waiting) | {tenant})
-        light = self.tenant_running[tenant] < self.max_concurrency / (active + 1)
+        light = self.tenant_running[tenant] < self.max_concurrency / self._recent
         return self.max_concurrency if light else self.max_concurrency - headroom
 
     def _fits(self, cost: int, tenant: str) -> bool:
