@@ -109,6 +109,13 @@ mod tests {
     }
 
     #[test]
+    fn the_shipped_file_parses() {
+        // What docker-compose.yml mounts and deploy/k8s/base makes its ConfigMap from.
+        let file = LimitsFile::parse(include_str!("../../deploy/k8s/base/limits/rate-limits.json")).unwrap();
+        assert!(file.default.requests_per_s.is_some() && file.default.tokens_per_min.is_some());
+    }
+
+    #[test]
     fn durations_read_like_openai_s() {
         assert_eq!(duration_text(0.02), "20ms");
         assert_eq!(duration_text(1.5), "1.5s");

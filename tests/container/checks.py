@@ -1,5 +1,5 @@
-"""What a user of the running image sees: answers through the sidecar, Prometheus's scrape, who the
-processes run as, and a stream that outlives SIGTERM."""
+"""What a user of the running image sees: answers through the sidecar, the shipped rate limits,
+Prometheus's scrape, who the processes run as, and a stream that outlives SIGTERM."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 import urllib.parse
+import urllib.request
 
 import grpc
 
@@ -40,6 +41,21 @@ def answers(grpc_port: int, http_port: int, where: str) -> None:
     answer = run(sys.executable, "-c", OPENAI_CHAT, f"http://127.0.0.1:{http_port}/v1", QUESTION,
                  capture=True).stdout.strip()
     check("Paris" in answer, f"{where}: OpenAI SDK through the sidecar: {answer!r}")
+
+
+def rate_limits_shipped(http_port: int, where: str) -> None:
+    """The sidecar runs under deploy/k8s/base/limits/rate-limits.json, as mounted by the stack: an
+    answer carries OpenAI's x-ratelimit headers with the file's default limits."""
+    limits = json.loads((REPO / "deploy" / "k8s" / "base" / "limits" / "rate-limits.json").read_text())["default"]
+    model = json.loads(get(f"http://127.0.0.1:{http_port}/v1/models")[1])["data"][0]["id"]
+    body = json.dumps({"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": QUESTION}]})
+    request = urllib.request.Request(f"http://127.0.0.1:{http_port}/v1/chat/completions", body.encode(),
+                                     {"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        headers = response.headers
+    check(headers.get("x-ratelimit-limit-requests") == str(int(limits["requests_per_s"]))
+          and headers.get("x-ratelimit-limit-tokens") == str(int(limits["tokens_per_min"])),
+          f"{where}: the shipped rate limits apply: {[(k, v) for k, v in headers.items() if k.startswith('x-ratelimit')]}")
 
 
 def prometheus_scraped(port: int) -> None:

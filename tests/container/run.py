@@ -25,7 +25,7 @@ from pathlib import Path
 
 import yaml
 
-from checks import answers, non_root, prometheus_scraped, stream_outlives_sigterm, worker_socket_only
+from checks import answers, non_root, rate_limits_shipped, prometheus_scraped, stream_outlives_sigterm, worker_socket_only
 from common import CACHE, IMAGE, PROMETHEUS, REPO, get, run, step, timings, wait_for
 from images import base_images, build, lint, python_tools, system_tools
 
@@ -87,7 +87,8 @@ class Compose:
 class Pod:
     """deploy/k8s/base/deployment.yaml's pod template under `podman kube play`, as written except for the
     image, a name of its own, restartPolicy Never (so exit codes stay to be read) and its ports bound
-    to free loopback ports (kube play publishes every containerPort)."""
+    to free loopback ports (kube play publishes every containerPort), with the rate limits ConfigMap
+    that kustomization.yaml generates."""
 
     def __init__(self, tmp: str):
         deployment = yaml.safe_load((REPO / "deploy" / "k8s" / "base" / "deployment.yaml").read_text())
@@ -104,7 +105,12 @@ class Pod:
         pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": self.name, **template["metadata"]}, "spec": spec}
         self.manifest = Path(tmp) / "pod.yaml"
         self.manifest.write_text(yaml.safe_dump(pod))
-        run("podman", "kube", "play", str(self.manifest), stdout=subprocess.DEVNULL)
+        limits = REPO / "deploy" / "k8s" / "base" / "limits" / "rate-limits.json"
+        config_map = Path(tmp) / "rate-limits.yaml"
+        config_map.write_text(yaml.safe_dump({"apiVersion": "v1", "kind": "ConfigMap",
+                                              "metadata": {"name": "cy-llm-rate-limits"},
+                                              "data": {limits.name: limits.read_text()}}))
+        run("podman", "kube", "play", "--configmap", str(config_map), str(self.manifest), stdout=subprocess.DEVNULL)
 
     def containers(self) -> dict[str, str]:
         return {name: f"{self.name}-{name}" for name in ("worker", "sidecar")}
@@ -132,8 +138,9 @@ def compose_stack(compose_binary: str) -> None:
             with step("compose up (until /readyz)"):
                 stack("up", "-d", "--no-build")  # returns once the sidecar's dependency is healthy
                 wait_for("/readyz", lambda: ready(stack.ports["CYLLM_HTTP_PORT"]), 300)
-            with step("compose: requests, Prometheus, users, socket"):
+            with step("compose: requests, rate limits, Prometheus, users, socket"):
                 answers(stack.ports["CYLLM_GRPC_PORT"], stack.ports["CYLLM_HTTP_PORT"], "compose")
+                rate_limits_shipped(stack.ports["CYLLM_HTTP_PORT"], "compose")
                 prometheus_scraped(stack.ports["PROMETHEUS_PORT"])
                 non_root(stack.ours())
                 worker_socket_only(stack.ours()["worker"])
@@ -154,8 +161,9 @@ def kubernetes_pod() -> None:
         try:
             with step("k8s pod up (until /readyz)"):
                 wait_for("/readyz", lambda: ready(pod.ports["http"]), 300)
-            with step("k8s pod: requests, users, SIGTERM during a stream"):
+            with step("k8s pod: requests, rate limits, users, SIGTERM during a stream"):
                 answers(pod.ports["grpc"], pod.ports["http"], "k8s pod")
+                rate_limits_shipped(pod.ports["http"], "k8s pod")
                 non_root(pod.containers())
                 stream_outlives_sigterm(pod.ports["grpc"], pod.stop, pod.containers(), pod.grace_s, "k8s pod")
         except BaseException:
