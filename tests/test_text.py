@@ -43,6 +43,29 @@ def test_detokenizer_never_splits_a_character():
     assert sum(1 for d in deltas if d) > 5
 
 
+@pytest.mark.model
+@pytest.mark.parametrize("cut", [0, 1], ids=["whole", "less-the-last-token"])
+def test_the_stream_decoder_gives_what_the_window_decoder_gives(embedded_model, cut):
+    """A fast tokenizer streams through tokenizers' DecodeStream: the same deltas, token by token,
+    as decoding windows of ids, byte-level pieces of characters and an end mid-character included."""
+    from worker.engines.prompt import load_tokenizer
+
+    tokenizer = load_tokenizer(embedded_model)
+    prompt = tokenizer("Answer:")["input_ids"]
+    ends = []
+    for text in (" héllo wörld, 1234 🙂\n\tdone", " 世界 — naïve café 🧑‍🍳!", " def f(x):\n    return x  # ok", "🙂🙂"):
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = ids[:len(ids) - cut]
+        ends.append(tokenizer.decode(ids)[-1:])
+        streamed, windowed = IncrementalDetokenizer(tokenizer, prompt), IncrementalDetokenizer(tokenizer, prompt)
+        assert streamed._stream is not None
+        windowed._stream = None
+        deltas = [(streamed.add(i), windowed.add(i)) for i in ids] + [(streamed.flush(), windowed.flush())]
+        assert [a for a, _ in deltas] == [b for _, b in deltas], text
+        assert "".join(a for a, _ in deltas) == tokenizer.decode(ids, skip_special_tokens=True)
+    assert ("\ufffd" in ends) == bool(cut)  # "🙂🙂" less its last token ends inside the second one
+
+
 def test_greedy_and_top_k_one_agree():
     torch.manual_seed(0)
     logits = torch.randn(3, 100)

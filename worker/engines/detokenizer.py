@@ -10,27 +10,36 @@ REPLACEMENT = "\ufffd"
 class IncrementalDetokenizer:
     """Decodes a growing list of ids into new text, holding back bytes of an unfinished character.
 
-    Each step decodes a short window of recent ids with some context before it (vLLM's
-    prefix/read offsets), so leading-space and byte-fallback tokens come out right.
+    A fast tokenizer streams through its Rust DecodeStream, one call a token; others decode a short
+    window of recent ids with some context before it (vLLM's prefix/read offsets), twice a token.
+    Either way leading-space and byte-fallback tokens come out right.
     """
 
     def __init__(self, tokenizer: Any, prompt_ids: list[int]):
         self.tokenizer = tokenizer
-        # A fast tokenizer's Rust decode, without transformers' per-call Python around it, when
-        # that wrapper would not change the text (it only adds the clean-up of spaces).
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
-            self._decode = lambda ids: backend.decode(ids, skip_special_tokens=True)
-        else:
-            self._decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
         context = prompt_ids[-6:]
         self.ids: list[int] = list(context)
         self.prefix_offset = 0
         self.read_offset = len(context)
+        # A fast tokenizer's Rust decode, without transformers' per-call Python around it, when
+        # that wrapper would not change the text (it only adds the clean-up of spaces).
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._stream = None
+        if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+            self._decode = lambda ids: backend.decode(ids, skip_special_tokens=True)
+            self._backend, self._stream = backend, _decode_stream(context)
+        else:
+            self._decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
 
     def add(self, token_id: int) -> str:
         self.ids.append(token_id)
-        return self._advance(final=False)
+        if self._stream is None:
+            return self._advance(final=False)
+        text = self._stream.step(self._backend, token_id)
+        if text is None:  # an unfinished character: held back, the window's offsets stay
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return text
 
     def flush(self) -> str:
         return self._advance(final=True)
@@ -43,6 +52,16 @@ class IncrementalDetokenizer:
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.ids)
         return full[len(prefix):]
+
+
+def _decode_stream(context: list[int]) -> Any:
+    """tokenizers' DecodeStream primed with the prompt's last ids; None where it is too old for that."""
+    try:
+        from tokenizers.decoders import DecodeStream
+
+        return DecodeStream(ids=context, skip_special_tokens=True)
+    except (ImportError, TypeError):
+        return None
 
 
 class StopStrings:
