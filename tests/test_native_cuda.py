@@ -30,6 +30,35 @@ def test_triton_decode_matches_the_gather_path(dtype):
         torch.testing.assert_close(_decode_triton(q, k, v, tables, lens, block_size), expected, atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton paged prefill kernel runs on CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_paged_prefill_matches_the_sdpa_path(dtype):
+    """Chunks after cached context (a hit on a shared prefix, a long prompt's later chunk), all in one
+    kernel call, against torch's SDPA a sequence at a time over the gathered context."""
+    from worker.engines.native.attention import prefill_attention
+    from worker.engines.native.paged_prefill import paged_prefill_meta
+
+    torch.manual_seed(0)
+    block_size, blocks, kv_heads, dim, heads = 16, 256, 3, 64, 9
+    k_cache = torch.randn(blocks * block_size, kv_heads, dim, device="cuda", dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    shapes = [(2, 17), (16, 144), (5, 21), (70, 600), (64, 64 + 64), (1 + 128, 1000)]  # (query_len, context_len)
+    tables = [torch.randperm(blocks)[:-(-context // block_size)].tolist() for _, context in shapes]
+    starts = [sum(q for q, _ in shapes[:i]) for i in range(len(shapes))]
+    q = torch.randn(sum(q for q, _ in shapes), heads, dim, device="cuda", dtype=dtype)
+    sequences = []
+    for start, (query_len, context), table in zip(starts, shapes, tables):
+        slots = (torch.tensor(table, device="cuda")[:, None] * block_size + torch.arange(block_size, device="cuda"))
+        mask = (torch.arange(context, device="cuda")[None, :]
+                <= (context - query_len + torch.arange(query_len, device="cuda"))[:, None])
+        sequences.append((start, query_len, slots.reshape(-1)[:context], mask))
+    expected = prefill_attention(q, None, None, k_cache, v_cache, [], sequences)
+    meta = paged_prefill_meta(starts, [s[0] for s in shapes], [s[1] for s in shapes], tables, torch.device("cuda"))
+    got = prefill_attention(q, None, None, k_cache, v_cache, [], sequences, meta, block_size)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton rope-and-store kernel runs on CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_rope_and_store_matches_the_torch_path(dtype):

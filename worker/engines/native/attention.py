@@ -3,7 +3,8 @@
 Caches are (slots, kv_heads, head_dim) per layer, slot = block * block_size + offset. Two paths:
 - `prefill_attention`: each sequence's new tokens over its context with torch's SDPA: prompts
   with nothing cached yet among their own tokens (equal lengths batched), the others over their
-  context gathered from the cache (on CPUs the cached part and the chunk's own part apart, merged).
+  context gathered from the cache (on CPUs the cached part and the chunk's own part apart, merged;
+  on CUDA all of them in one Triton kernel over the block tables, paged_prefill.py).
 - `decode_attention`: one new token per sequence, every sequence at once; on CUDA a Triton kernel
   that walks the block table (one program per sequence and KV head, all the query heads of that KV
   head together, online softmax; at small batches one per part of each context, the parts combined
@@ -18,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.engines.native import kernels
+from worker.engines.native.paged_prefill import paged_prefill
 
 try:
     import triton
@@ -60,15 +62,20 @@ def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, fresh: list[torch.Tensor],
-                      sequences: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]) -> torch.Tensor:
+                      sequences: list[tuple[int, int, torch.Tensor | None, torch.Tensor | None]],
+                      paged: tuple | None = None, block_size: int = 0) -> torch.Tensor:
     """q (T, H, D), k and v (T, kv_heads, D) of the packed new tokens. `fresh`: (n, L) rows of T of
     sequences with nothing cached before this step, which attend causally among their own tokens,
     one SDPA call for each length. `sequences`: (offset in T, query_len, context slots, causal
-    mask) of those with cached tokens before. Returns (T, H, D); other rows are left unset."""
+    mask) of those with cached tokens before; `paged` (CUDA): the same as paged_prefill's meta, all
+    of them in one kernel call. Returns (T, H, D); other rows are left unset."""
     out = torch.empty_like(q)
     for rows in fresh:  # rows (n, L)
         qs, ks, vs = (x[rows].transpose(1, 2) for x in (q, k, v))  # (n, heads, L, D)
         out[rows] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True).transpose(1, 2)
+    if paged is not None:
+        paged_prefill(q, k_cache, v_cache, out, paged, block_size)
+        return out
     for start, query_len, slots, mask in sequences:
         ks, vs = k_cache.index_select(0, slots), v_cache.index_select(0, slots)  # (C, kv_heads, D)
         if q.device.type == "cpu" and _CPU_FLASH is not None:

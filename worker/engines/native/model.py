@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from worker.engines.native import kernels
+from worker.engines.native import kernels, paged_prefill
 from worker.engines.native.attention import decode_attention, decode_gather, prefill_attention, rope_and_store
 from worker.engines.native.elementwise import Elementwise
 from worker.engines.native.gemv import RowLinear, triton
@@ -96,8 +96,10 @@ class Batch:
     last_token_index: torch.Tensor  # (S,) index into T of each sequence's last token
     block_size: int
     # Filled by prepare(), or given directly (a CUDA graph's static decode batch):
-    prefills: list[tuple[int, int, torch.Tensor, torch.Tensor | None]] | None = None
-    """Sequences with several new tokens after cached ones: (offset in T, query_len, context slots, causal mask)."""
+    prefills: list[tuple[int, int, torch.Tensor | None, torch.Tensor | None]] | None = None
+    """Sequences with several new tokens after cached ones: (offset in T, query_len, context slots, causal mask);
+    on CUDA (offset, query_len, None, None), with paged_prefills for the kernel that takes them all."""
+    paged_prefills: tuple | None = None  # paged_prefill.paged_prefill_meta of `prefills`, on CUDA
     fresh: list[torch.Tensor] | None = None
     """Sequences whose context is only this step's tokens, grouped by length: (n, L) rows of T each."""
     decode_index: torch.Tensor | None = None  # (N,) rows of T that are one-token decodes; None: all of T
@@ -105,17 +107,22 @@ class Batch:
     decode_lens: torch.Tensor | None = None  # (N,) int32 context lengths
     decode_gather: tuple[torch.Tensor, torch.Tensor] | None = None  # without Triton or CPU kernels: see attention.decode_gather
 
-    def prepare(self) -> Batch:
+    def prepare(self, head_dim: int) -> Batch:
         """Per-step index work, done once here rather than in every layer."""
         device = self.input_ids.device
         offsets = torch.arange(self.block_size, device=device)
         self.prefills, decodes, start = [], [], 0
         fresh: dict[int, list[int]] = {}
+        paged = paged_prefill.supports(device, head_dim)
+        paged_rows: list[int] = []
         for index, (query_len, context_len, blocks) in enumerate(zip(self.query_lens, self.context_lens, self.block_tables)):
             if query_len == 1:
                 decodes.append(index)
             elif query_len == context_len:
                 fresh.setdefault(query_len, []).append(start)
+            elif paged:
+                self.prefills.append((start, query_len, None, None))
+                paged_rows.append(index)
             else:
                 table = torch.tensor(blocks, device=device)
                 slots = (table[:, None] * self.block_size + offsets[None, :]).reshape(-1)[:context_len]
@@ -126,6 +133,10 @@ class Batch:
             start += query_len
         self.fresh = [torch.tensor(starts, device=device)[:, None] + torch.arange(length, device=device)[None, :]
                       for length, starts in fresh.items()]
+        if paged_rows:
+            self.paged_prefills = paged_prefill.paged_prefill_meta(
+                [p[0] for p in self.prefills], [self.query_lens[i] for i in paged_rows],
+                [self.context_lens[i] for i in paged_rows], [self.block_tables[i] for i in paged_rows], device)
         if decodes:
             width = max(len(self.block_tables[i]) for i in decodes)
             tables = [self.block_tables[i] + [0] * (width - len(self.block_tables[i])) for i in decodes]
@@ -179,7 +190,8 @@ class Attention(nn.Module):
             out = decode_attention(q, k_cache, v_cache, batch.decode_tables, batch.decode_lens, batch.block_size,
                                    batch.decode_gather)
         else:
-            out = prefill_attention(q, k, v, k_cache, v_cache, batch.fresh, batch.prefills)
+            out = prefill_attention(q, k, v, k_cache, v_cache, batch.fresh, batch.prefills, batch.paged_prefills,
+                                    batch.block_size)
             if batch.decode_tables is not None:
                 out[batch.decode_index] = decode_attention(q[batch.decode_index], k_cache, v_cache, batch.decode_tables,
                                                            batch.decode_lens, batch.block_size, batch.decode_gather)
@@ -239,7 +251,7 @@ class LlamaModel(nn.Module):
         """Logits of each sequence's last token: (S, vocab), in the model's dtype (the sampler upcasts
         what it must; at batch 256 a float copy here was 4% of a decode step)."""
         if batch.prefills is None:
-            batch.prepare()
+            batch.prepare(self.config.head_dim)
         x = self.embed_tokens(batch.input_ids)
         freqs = batch.positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
