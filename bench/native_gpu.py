@@ -71,7 +71,8 @@ def make_folder(shape: dict, dtype: torch.dtype, folder: Path):
 
 
 def engine_for(folder: Path, dtype: str, **args) -> NativeEngine:
-    engine_args = {"max_num_seqs": 256, "max_num_batched_tokens": 8192, **args}
+    # Plain decoding: speculation (bench/speculation.py) would change what a step is.
+    engine_args = {"max_num_seqs": 256, "max_num_batched_tokens": 8192, "speculation": "requested", **args}
     config = load_config(None, {"HOME": "/tmp"}, {
         "engine.name": "native", "engine.model": str(folder), "engine.dtype": dtype,
         "engine.args": json.dumps(engine_args)})

@@ -282,3 +282,35 @@ def test_a_prepared_model_is_readable_by_the_user_that_serves_it(tmp_path):
         os.umask(old)
     assert (folder / "model.safetensors").stat().st_mode & 0o777 == 0o644
     assert folder.stat().st_mode & 0o777 == 0o755
+
+
+def test_speculative_decoding_is_honoured_or_refused(served):
+    """native speculates (on by default) and says so in GetInfo: asked for, the tokens are those of
+    speculation off, in fewer messages, and the metrics count what was accepted; with logprobs it is
+    refused. Engines that do not speculate refuse speculative=true and take false."""
+    stub, control, _ = served
+    paragraph = ("Honey bees make honey from the nectar of flowers. A worker bee carries nectar back to the hive "
+                 "in its honey stomach, where enzymes break its sugars down.")
+
+    def run(**fields):
+        request = chat("Fix the spelling and grammar of this paragraph:\n\n" + paragraph, temperature=0, max_tokens=48)
+        for key, value in fields.items():
+            setattr(request, key, value)
+        return list(stub.StreamPredict(request, timeout=120))
+
+    off = run(speculative=False)
+    if not control.GetInfo(pb.GetInfoRequest()).capabilities.speculative_decoding:
+        with pytest.raises(grpc.RpcError) as error:
+            run(speculative=True)
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "speculative" in error.value.details()
+        return
+    on = run(speculative=True)
+    assert [t for r in on for t in r.token_ids] == [t for r in off for t in r.token_ids]
+    assert len(on) < len(off), "accepted proposals come several tokens to a message"
+    text = control.Metrics(pb.MetricsRequest()).text
+    accepted = re.search(r"^cyllm_speculative_accepted_tokens_total (\S+)$", text, re.M)
+    assert accepted and float(accepted.group(1)) > 0
+    with pytest.raises(grpc.RpcError) as error:
+        run(speculative=True, logprobs=2)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "logprobs" in error.value.details()
+    assert wait_released(control).running == 0 and engine_unfinished(control) == 0

@@ -137,7 +137,8 @@ async def test_steps_launched_ahead_end_each_stream_at_its_token(tiny_llama, mon
     launch_ahead = NativeEngine._launch_ahead
     monkeypatch.setattr(NativeEngine, "_launch_ahead", lambda self, step: launched.append(launch_ahead(self, step)) or launched[-1])
     config = load_config(None, {"HOME": "/tmp"}, {"engine.name": "native", "engine.model": str(tiny_llama),
-                                                  "engine.dtype": "float32", "engine.device": "cuda"})
+                                                  "engine.dtype": "float32", "engine.device": "cuda",
+                                                  "engine.args.speculation": "requested"})
     engine = NativeEngine(config)
     await engine.load_model()
     prompt = list(range(2, 42))
@@ -189,7 +190,7 @@ async def test_rows_that_need_their_token_on_the_host_are_sampled_after_it_is_re
     async def run(overlap: str) -> dict:
         config = load_config(None, {"HOME": "/tmp"}, {
             "engine.name": "native", "engine.model": str(tiny_llama), "engine.dtype": "float32",
-            "engine.device": "cuda", "engine.args": json.dumps({"overlap_output": overlap})})
+            "engine.device": "cuda", "engine.args": json.dumps({"overlap_output": overlap, "speculation": "requested"})})
         engine = NativeEngine(config)
         await engine.load_model()
 
@@ -224,3 +225,32 @@ async def test_rows_that_need_their_token_on_the_host_are_sampled_after_it_is_re
     text = "".join(f"t{token}" for token in late["grammar"][0] if token != 1)
     assert re.fullmatch("(t7|t9){3,40}", text), text
     assert len(late["logprobs"][1]) == 24
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="speculation's CUDA path: verify rows in the graphs")
+@pytest.mark.parametrize("eager", [False, True])
+async def test_speculation_gives_the_same_tokens_on_cuda(tiny_llama, eager):
+    """Rows with proposals run as decodes through the CUDA graphs (or eagerly): greedy and seeded
+    sampled tokens are those of speculation off, alone and batched, and every block comes back."""
+    config = load_config(None, {"HOME": "/tmp"}, {"engine.name": "native", "engine.model": str(tiny_llama),
+                                                  "engine.dtype": "float32", "engine.device": "cuda",
+                                                  "engine.args.speculation": "requested",
+                                                  "engine.args.enforce_eager": str(eager).lower()})
+    engine = NativeEngine(config)
+    await engine.load_model()
+    prompts = [list(range(2 + i, 42)) * 3 for i in range(4)]  # repeated: the random model copies it at times
+
+    async def run(index: int, on: bool, **sampling) -> list[int]:
+        request = GenerationRequest(request_id=f"s{index}-{on}", prompt_token_ids=prompts[index], speculative=on,
+                                    sampling=SamplingParams(max_tokens=48, ignore_eos=True, **sampling))
+        return [t async for out in engine.stream_predict(request) for t in out.token_ids]
+
+    try:
+        for sampling in ({}, {"temperature": 0.8, "top_k": 50, "seed": 5}):
+            off = [await run(i, False, **sampling) for i in range(4)]
+            assert [await run(i, True, **sampling) for i in range(4)] == off
+            assert list(await asyncio.gather(*(run(i, True, **sampling) for i in range(4)))) == off
+        assert engine.speculation_stats()[2] > 0, "proposals were accepted"
+        assert engine.num_unfinished() == 0 and engine.blocks.num_free == engine.blocks.num_blocks
+    finally:
+        await engine.unload_model()

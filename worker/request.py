@@ -142,6 +142,8 @@ class GenerationRequest:
     """The constraint compiled for the engine's tokenizer (set before admission)."""
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    speculative: bool | None = None
+    """None: the worker's setting."""
 
     @classmethod
     def from_pb(cls, message: pb.PredictRequest, defaults: SamplingDefaults) -> GenerationRequest:
@@ -201,6 +203,7 @@ class GenerationRequest:
             constraint=constraint,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            speculative=message.speculative if message.HasField("speculative") else None,
         )
 
 

@@ -53,6 +53,7 @@ class ControlServicer(pb_grpc.WorkerControlServicer):
         able = self.worker.engine.capabilities()
         return pb.Capabilities(structured_output=able.structured_output, max_logprobs=able.max_logprobs,
                                prompt_logprobs=able.prompt_logprobs, tools=able.tools,
+                               speculative_decoding=able.speculative_decoding,
                                cache_events=self.worker.engine.events is not None and not self.worker.engine.events.stopped)
 
     async def CacheEvents(self, request, context):

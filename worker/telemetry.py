@@ -84,6 +84,12 @@ class _SchedulerCollector:
                                       value=prefix[0])
             yield CounterMetricFamily("cyllm_prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache",
                                       value=prefix[1])
+        if (speculation := self.engine.speculation_stats()) is not None:
+            for name, help_text, value in zip(
+                    ("cyllm_speculative_drafts", "cyllm_speculative_draft_tokens", "cyllm_speculative_accepted_tokens"),
+                    ("Steps a sequence's proposed tokens were checked in", "Tokens proposed by speculative decoding",
+                     "Proposed tokens accepted (acceptance rate: accepted / draft tokens)"), speculation):
+                yield CounterMetricFamily(name, help_text, value=value)
 
     def _tenants(self) -> Iterable:
         """Per tenant (label: its name, or `other` past fairness.metric_tenants): what it was

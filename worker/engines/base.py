@@ -28,6 +28,7 @@ class Capabilities:
     max_logprobs: int = 0
     prompt_logprobs: bool = False
     tools: bool = False
+    speculative_decoding: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +107,7 @@ class BaseEngine(ABC):
     # Whether it reports logprobs (generated and prompt tokens) and renders tools into chat prompts.
     reports_logprobs = True
     renders_tools = True
+    speculates = False  # whether requests may ask for speculative decoding (native: unless configured off)
 
     def __init__(self, config: Config, on_fatal: Callable[[BaseException], None] | None = None):
         self.config = config
@@ -126,7 +128,7 @@ class BaseEngine(ABC):
         return Capabilities(
             structured_output=KINDS if self.grammars is not None else (),
             max_logprobs=MAX_LOGPROBS if self.reports_logprobs else 0,
-            prompt_logprobs=self.reports_logprobs, tools=self.renders_tools)
+            prompt_logprobs=self.reports_logprobs, tools=self.renders_tools, speculative_decoding=self.speculates)
 
     def prepare(self, request: GenerationRequest) -> None:
         """Refuses what this engine cannot do, naming it, and compiles the request's constraint
@@ -143,6 +145,14 @@ class BaseEngine(ABC):
                 raise InvalidRequest(f"{field_name} is not supported by the {self.name} engine")
         if request.tools and not able.tools:
             raise InvalidRequest(f"chat.tools_json is not supported by the {self.name} engine")
+        if request.speculative:
+            if not able.speculative_decoding:
+                raise InvalidRequest(f"speculative decoding is not supported by the {self.name} engine"
+                                     + (" as configured (engine.args.speculative_tokens is 0)" if self.name == "native" else ""))
+            if request.constraint is not None or request.sampling.is_penalized or request.logprobs is not None \
+                    or request.prompt_logprobs is not None:
+                raise InvalidRequest("speculative decoding runs without structured_output, penalties, logprobs and "
+                                     "prompt_logprobs; leave speculative unset or false with them")
 
     def _load_grammars(self, vocab_size: int, stop_ids: frozenset[int]) -> None:
         """On the engine's tokenizer, once loaded; without xgrammar, structured output is refused."""
@@ -188,6 +198,10 @@ class BaseEngine(ABC):
     @abstractmethod
     def num_unfinished(self) -> int:
         """Requests the engine itself still holds (0 once every stream ended or was aborted)."""
+
+    def speculation_stats(self) -> tuple[int, int, int] | None:
+        """(rows verified, tokens proposed, tokens accepted) since start; None where it does not speculate."""
+        return None
 
     def prefix_cache_stats(self) -> tuple[int, int] | None:
         """(prompt tokens looked up in the prefix cache, tokens found there) since start; None

@@ -112,15 +112,27 @@ def sample(
     plain = [row for row, p in enumerate(params) if not p.is_greedy and not p.truncates(vocab)]
     cut = [row for row, p in enumerate(params) if not p.is_greedy and p.truncates(vocab)]
     if plain:
-        tokens[plain] = _inverse_cdf(probs[plain], [generators[row] for row in plain])
+        tokens[plain] = inverse_cdf(probs[plain], [generators[row] for row in plain])
     if cut:
         kept, order = _truncated(probs[cut], [params[row] for row in cut])
-        ranks = _inverse_cdf(kept, [generators[row] for row in cut])
+        ranks = inverse_cdf(kept, [generators[row] for row in cut])
         tokens[cut] = order.gather(1, ranks[:, None])[:, 0]
     return tokens
 
 
-def _inverse_cdf(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+def distribution(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What sample() draws each row of logits (R, V) from, for one request's params (sampled, no
+    penalties), computed as sample() computes it: (probabilities, None) in vocabulary order, or with
+    top-k, top-p or min-p (sorted probabilities with the dropped ones 0, the token ids by rank).
+    inverse_cdf() on a row with the request's generator draws what sample() would."""
+    temperature = torch.full((len(logits),), params.temperature, device=logits.device)
+    probs = torch.softmax(logits.float() / temperature[:, None], dim=-1)
+    if params.truncates(logits.shape[-1]):
+        return _truncated(probs, [params] * len(logits))
+    return probs, None
+
+
+def inverse_cdf(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
     """(R,) indices drawn from each row of probs (R, V), which need not sum to 1; zeros never drawn."""
     cdf = probs.cumsum(dim=-1)
     total = cdf[:, -1]

@@ -25,9 +25,10 @@ from worker.engines.detokenizer import OutputText
 from worker.engines.native import kernels as cpu_kernels
 from worker.engines.cache_events import CacheEvents
 from worker.engines.native.block_manager import BlockManager, zeros
-from worker.engines.native.model import Batch, load_model
+from worker.engines.native.model import load_model
 from worker.engines.native.pacer import PrefillPacer
-from worker.engines.native.sequence import Sequence, Step
+from worker.engines.native.sequence import Sequence, Step, batch_of
+from worker.engines.native.speculation import Settings, Speculator
 from worker.engines.prompt import encode_prompt, load_tokenizer
 from worker.engines.sampler import make_generator
 from worker.engines.threaded import ThreadedEngine
@@ -41,7 +42,9 @@ GIB = 1 << 30
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ARGS = {"block_size": 16, "max_num_batched_tokens": 2048, "max_num_seqs": 64, "gpu_memory_utilization": 0.9,
         "kv_cache_dtype": "auto", "enable_prefix_caching": True, "enforce_eager": False, "cpu_threads": 0,
-        "overlap_output": "auto", "quantization": "none", "prefill_chunk_s": 0.25, "max_kv_blocks": 0}
+        "overlap_output": "auto", "quantization": "none", "prefill_chunk_s": 0.25, "max_kv_blocks": 0,
+        "speculation": "auto", "speculative_tokens": 4, "speculative_ngram_min": 2, "speculative_ngram_max": 4,
+        "speculative_min_accepted": 0.5}
 
 
 class NativeEngine(ThreadedEngine):
@@ -60,6 +63,8 @@ class NativeEngine(ThreadedEngine):
         self.quantization = str(self.args["quantization"]).lower()
         if self.quantization not in ("none", "int4"):
             raise ConfigError("engine.args.quantization", "none | int4 (weight-only, on CPU)")
+        self.speculator = Speculator(Settings.from_args(self.args))
+        self.speculates = self.speculator.settings.num_tokens > 0
         self._overlap_setting = str(self.args["overlap_output"]).lower()
         if self._overlap_setting not in ("auto", "true", "false"):
             raise ConfigError("engine.args.overlap_output", "auto (on for CUDA) | true | false")
@@ -77,6 +82,8 @@ class NativeEngine(ThreadedEngine):
         folder = locate_model(engine.model, self.config.models.cache_dir, log=lambda m: log.info(m))
         self.device = torch.device(engine.device if engine.device != "auto" else
                                    ("cuda" if torch.cuda.is_available() else "cpu"))
+        if self.speculator.settings.by_default is None:  # auto: measured to pay on CPUs, not yet on CUDA
+            self.speculator.by_default = self.device.type == "cpu"
         if self.quantization == "int4" and self.device.type != "cpu":
             raise ConfigError("engine.args.quantization", f"int4 runs on CPU; the device is {self.device}")
         # int4: bf16 activations on every CPU; without oneDNN bf16, prompts run their GEMMs in fp32
@@ -121,7 +128,9 @@ class NativeEngine(ThreadedEngine):
         if self.device.type == "cuda" and not self.args["enforce_eager"]:
             from worker.engines.native.graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(self.model, self.k_cache, self.v_cache, int(self.args["max_num_seqs"]),
+            seqs = int(self.args["max_num_seqs"])  # rows: a sequence with k proposals runs 1 + k of them
+            rows = min(seqs * (1 + self.speculator.settings.num_tokens), max(seqs, 256))
+            self.graphs = DecodeGraphs(self.model, self.k_cache, self.v_cache, rows,
                                        -(-max_model_len // block_size), block_size, num_blocks * block_size)
         self.eos_ids = frozenset(c.eos_token_ids) | ({self.tokenizer.eos_token_id} - {None})
         self._load_grammars(c.vocab_size, self.eos_ids)
@@ -159,6 +168,9 @@ class NativeEngine(ThreadedEngine):
     def prefix_cache_stats(self) -> tuple[int, int] | None:
         return (self.prefix_queried_tokens, self.prefix_hit_tokens) if self.blocks else None
 
+    def speculation_stats(self) -> tuple[int, int, int] | None:
+        return self.speculator.stats() if self.speculates else None
+
     def get_memory_usage(self) -> dict[str, int]:
         if self.device is not None and self.device.type == "cuda":
             return {str(self.device): torch.cuda.memory_allocated(self.device)}
@@ -173,11 +185,13 @@ class NativeEngine(ThreadedEngine):
         if (refused := self._refused(request.request_id)) is not None:
             return refused
         stream = RequestStream(request.request_id)
-        self._inbox.put(("add", Sequence(
+        seq = Sequence(
             stream, request, make_generator(request.sampling, self.device),
             OutputText(self.tokenizer, request.prompt_token_ids, request.sampling.stop, self.eos_ids),
             list(request.prompt_token_ids),
-            matcher=self.grammars.matcher(request.grammar) if request.grammar is not None else None)))
+            matcher=self.grammars.matcher(request.grammar) if request.grammar is not None else None)
+        seq.proposer = self.speculator.proposer_for(request, seq.plain)
+        self._inbox.put(("add", seq))
         return stream
 
     # --- engine thread ---
@@ -191,12 +205,16 @@ class NativeEngine(ThreadedEngine):
                 step.flops, step.launched_at = self._step_flops, started
             ahead = self._launch_ahead(step) if self.overlap else None
             self._emit()  # with overlap: while the step runs on the device
+            prefilled = sum(c for seq, c in step.scheduled if c > 1 and not seq.draft)
+            rows = sum(c for _, c in step.scheduled)
             self._pending = self._read(step)
             if ahead is not None and ahead.logits is not None:  # its forward pass runs while the masks fill
                 ahead.sample(self.grammars)
             self.last_step_at = time.monotonic()
+            if self.speculates and not prefilled and step.launched_at:
+                self.speculator.step_cost.record(rows, self.last_step_at - step.launched_at)
             if step.flops:  # priced: it may have prefilled
-                self.pacer.record(step.flops, self.last_step_at - step.launched_at, sum(c for _, c in step.scheduled if c > 1))
+                self.pacer.record(step.flops, self.last_step_at - step.launched_at, prefilled)
             step = ahead
             if not self.overlap:
                 self._emit()
@@ -242,8 +260,10 @@ class NativeEngine(ThreadedEngine):
                 self.blocks.grow(seq.blocks, seq.num_cached + 1)
                 scheduled.append((seq, 1))
                 budget -= 1
+        if self.speculates:
+            budget -= self.speculator.propose(scheduled, self.blocks, self.info.max_model_len, self.overlap)
         if self._waiting and len(self._running) < int(self.args["max_num_seqs"]):  # a chunk may join: price the decodes
-            self._step_flops = sum(self.pacer.cost(1, seq.num_cached) for seq, _ in scheduled)
+            self._step_flops = sum(self.pacer.cost(count, seq.num_cached) for seq, count in scheduled)
         while self._waiting and budget > 0 and len(self._running) < int(self.args["max_num_seqs"]):
             seq = self._waiting[0]
             starting = not seq.blocks
@@ -275,27 +295,16 @@ class NativeEngine(ThreadedEngine):
         self._waiting.appendleft(seq)
 
     def _forward(self, scheduled: list[tuple[Sequence, int]]) -> torch.Tensor:
-        if self.graphs is not None and len(scheduled) <= self.graphs.max_batch and all(c == 1 for _, c in scheduled):
+        # Rows with proposals are decodes too (batch_of): such a step runs in the graphs on CUDA
+        # and in the one-call decoder on CPU.
+        if (self.graphs is not None and all(c == 1 or seq.draft for seq, c in scheduled)
+                and sum(c for _, c in scheduled) <= self.graphs.max_batch):
             return self.graphs.decode([seq for seq, _ in scheduled], self.blocks.block_size)
-        block_size = self.blocks.block_size
-        ids, positions, slots, last = [], [], [], []
-        for seq, count in scheduled:
-            start = seq.num_cached
-            ids.extend(seq.tokens[start:start + count])
-            for position in range(start, start + count):
-                positions.append(position)
-                slots.append(seq.blocks.blocks[position // block_size] * block_size + position % block_size)
-            last.extend(range(len(ids) - count, len(ids)) if seq.scores_prompt else [len(ids) - 1])
-        device = self.device
-        batch = Batch(
-            input_ids=torch.tensor(ids, device=device), positions=torch.tensor(positions, device=device),
-            slots=torch.tensor(slots, device=device), query_lens=[c for _, c in scheduled],
-            context_lens=[s.num_cached + c for s, c in scheduled], block_tables=[s.blocks.blocks for s, _ in scheduled],
-            last_token_index=torch.tensor(last, device=device), block_size=block_size)
+        batch = batch_of(scheduled, self.blocks.block_size, self.device)
         try:
             return self.model(batch, self.k_cache, self.v_cache)
         except torch.OutOfMemoryError:
-            if device.type == "cuda":
+            if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             for seq, _ in scheduled:
                 self._drop(seq)
@@ -312,19 +321,27 @@ class NativeEngine(ThreadedEngine):
                   if after else self._forward(scheduled))
         if logits is None:  # out of memory; the step's sequences have failed
             return Step([])
-        # A sequence scoring its prompt has a row per token of its chunk (see _forward), others one.
-        ends = list(itertools.accumulate(count if seq.scores_prompt else 1 for seq, count in scheduled))
+        # A sequence scoring its prompt, or checking proposals, has a row per token of its chunk (see
+        # _forward), others one.
+        ends = list(itertools.accumulate(count if seq.scores_prompt or seq.draft else 1 for seq, count in scheduled))
         for (seq, count), end in zip(scheduled, ends):
             if seq.scores_prompt:
                 seq.score_prompt(logits[end - count:end], count)
+        step = Step(scheduled)
+        if any(seq.draft for seq, _ in scheduled):
+            step.verifying = [seq for seq, _ in scheduled if seq.draft]
+            step.draft_logits = logits[[row for (seq, count), end in zip(scheduled, ends) if seq.draft
+                                        for row in range(end - count, end)]]
         # Rows that end their sequence's known tokens get a next one (a chunk mid-prompt does not).
-        at = [i for i, (seq, count) in enumerate(scheduled) if after or seq.num_cached + count == len(seq.tokens)]
+        at = [i for i, (seq, count) in enumerate(scheduled)
+              if not seq.draft and (after or seq.num_cached + count == len(seq.tokens))]
         if not at:
-            return Step(scheduled)
-        ready = [scheduled[i][0] for i in at]
+            return step
+        step.ready = [scheduled[i][0] for i in at]
         if len(at) < ends[-1]:  # else every row: no index tensor to build and copy over
             logits = logits[[ends[i] - 1 for i in at]]
-        step = Step(scheduled, ready, logits=logits)
+        step.logits = logits
+        ready = step.ready
         # Launched ahead, a row that needs its last token on the host is sampled once `after` is read.
         return step if after and not all(seq.plain for seq in ready) else step.sample(self.grammars)
 
@@ -338,8 +355,8 @@ class NativeEngine(ThreadedEngine):
         is done."""
         seqs = step.ready
         if (self.graphs is None or self._waiting or not seqs or len(seqs) != len(step.scheduled)
-                or len(seqs) > self.graphs.max_batch):
-            return None
+                or len(seqs) > self.graphs.max_batch or any(seq.proposer and seq.proposer.active for seq in seqs)):
+            return None  # (a sequence proposing needs its next step scheduled, not launched ahead)
         # One pass (at batch 256 this thread is the bottleneck): the cache must hold each sequence's
         # known tokens and the pending one.
         last_position, block_size = self.info.max_model_len - 1, self.blocks.block_size
@@ -357,49 +374,78 @@ class NativeEngine(ThreadedEngine):
             self.blocks.grow(seq.blocks, len(seq.tokens) + 1)
         return self._launch([(seq, 1) for seq in seqs], after=step)
 
-    def _read(self, step: Step) -> list[tuple[Sequence, int]]:
-        """The step's outcome on the host: each row's tokens counted in the cache, the sampled
-        tokens appended, (sequence, token) to emit. A sequence that its token ends (EOS, a stop id,
-        its length) gives its blocks back here, so the next step does not run it; stop strings are
-        found later, in _emit."""
+    def _read(self, step: Step) -> list[tuple[Sequence, list[int]]]:
+        """The step's outcome on the host: each row's tokens counted in the cache, the sampled (or
+        accepted) tokens appended, (sequence, its new tokens) to emit. A sequence that a token ends
+        (EOS, a stop id, its length) gives its blocks back here, so the next step does not run it;
+        stop strings are found later, in _emit."""
         for seq, count in step.scheduled:
             if not seq.done:  # else ended by a stop string, or aborted, after this step was launched
-                seq.num_cached += count
+                seq.num_cached += 1 if seq.draft else count  # proposals count once accepted, below
                 self.blocks.commit(seq.blocks, seq.tokens, seq.num_cached)
+        sampled = self._verified(step) if step.verifying else []
         if not step.ready:
-            return []
+            return sampled
         if step.copied is not None:
             step.copied.synchronize()  # the step's tokens, not the step launched after it
-        sampled, tokens = [], step.host_tokens.tolist()
+        tokens = step.host_tokens.tolist()
         asked = [token for seq, token in zip(step.ready, tokens) if seq.request.logprobs is not None]
         logprobs = iter(step.logprobs.read(asked) if step.logprobs else [])
         for seq, token in zip(step.ready, tokens):
             seq.logprob = next(logprobs) if seq.request.logprobs is not None else None
-            if seq.done:
-                continue
-            params = seq.request.sampling
-            seq.append(token)
-            sampled.append((seq, token))
-            if self._at_limit(seq) or seq.text.is_stop_token(token, params.stop_token_ids, params.ignore_eos):
-                self._drop(seq)
+            if not seq.done:
+                sampled.append((seq, [token]))
+                self._append(seq, token)
         return sampled
+
+    def _verified(self, step: Step) -> list[tuple[Sequence, list[int]]]:
+        """The rows with proposals: the tokens accepted and one more, appended, and counted in the
+        cache but the last (which the next step computes)."""
+        sampled = []
+        for seq, tokens in self.speculator.check(step.verifying, step.draft_logits):
+            kept = []
+            for token in tokens:
+                kept.append(token)
+                if not self._append(seq, token):
+                    break
+            if not seq.done:
+                seq.num_cached += len(kept) - 1
+                self.blocks.commit(seq.blocks, seq.tokens, seq.num_cached)
+            sampled.append((seq, kept))
+        return sampled
+
+    def _append(self, seq: Sequence, token: int) -> bool:
+        """A new token of `seq`; False when it ends the sequence (which gives its blocks back)."""
+        params = seq.request.sampling
+        seq.append(token)
+        if self._at_limit(seq) or seq.text.is_stop_token(token, params.stop_token_ids, params.ignore_eos):
+            self._drop(seq)
+            return False
+        return True
 
     def _at_limit(self, seq: Sequence) -> bool:
         return len(seq.output_ids) >= seq.request.sampling.max_tokens or len(seq.tokens) >= self.info.max_model_len
 
     def _emit(self) -> None:
-        """Text and messages of the tokens last sampled."""
+        """Text and messages of the tokens last read: one message per sequence."""
         outputs = []
         sampled, self._pending = self._pending, []
-        for seq, token in sampled:
+        for seq, tokens in sampled:
             if seq.aborted:  # its stream already has its last message
                 continue
             params = seq.request.sampling
-            # Emitted before the sequence samples again, so its state is still that of this token.
-            text, finish = seq.text.add(token, params.stop_token_ids, params.ignore_eos, self._at_limit(seq))
+            texts, finish = [], None
+            for count, token in enumerate(tokens, 1):
+                # Emitted before the sequence samples again, so its state is still that of these tokens.
+                text, finish = seq.text.add(token, params.stop_token_ids, params.ignore_eos,
+                                            count == len(tokens) and self._at_limit(seq))
+                texts.append(text)
+                if finish is not None:  # a stop string: the tokens after it are not sent
+                    tokens = tokens[:count]
+                    break
             if finish is not None and not seq.done:
                 self._drop(seq)
-            outputs.append((seq.stream.put, seq.output(token, text, finish)))
+            outputs.append((seq.stream.put, seq.output(tokens, "".join(texts), finish)))
         if changes := self.blocks.take_changes():  # the cache's changes since the last step, in its wake-up
             outputs.append((self.events.publish, changes))
         self._post_all(outputs)

@@ -73,20 +73,25 @@ class DecodeGraphs:
         """Logits (n, vocab) of one token for each of the n sequences, their inputs written straight
         into the pinned host buffers (at batch 256 this loop is about a third of the engine
         thread's step). `pending` (n,) on the device: each sequence's input is its token sampled by
-        the step still running, not yet on the host (the engine's launch-ahead)."""
+        the step still running, not yet on the host (the engine's launch-ahead). A sequence with
+        proposals (Sequence.draft, never with `pending`) has a row for its last token and one for
+        each proposal, in order."""
         (ids, positions, slots, lens), tables = self.host_inputs()
-        width = 0
-        for row, seq in enumerate(seqs):
+        width = row = 0
+        for seq in seqs:
             position = len(seq.tokens) if pending is not None else seq.num_cached
             table = seq.blocks.blocks
-            if pending is None:
-                ids[row] = seq.tokens[position]
-            positions[row] = position
-            slots[row] = table[position // block_size] * block_size + position % block_size
-            lens[row] = position + 1
-            tables[row, :len(table)] = table
+            for token in ([seq.tokens[position], *seq.draft] if seq.draft else (None,)):
+                if pending is None:
+                    ids[row] = seq.tokens[position] if token is None else token
+                positions[row] = position
+                slots[row] = table[position // block_size] * block_size + position % block_size
+                lens[row] = position + 1
+                tables[row, :len(table)] = table
+                row += 1
+                position += 1
             width = max(width, len(table))
-        return self.run(len(seqs), width, pending)
+        return self.run(row, width, pending)
 
     def run(self, n: int, width: int, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (n, vocab) of the n one-token decodes in rows [0, n) of the host inputs, whose block

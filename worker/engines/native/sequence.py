@@ -11,6 +11,8 @@ from worker.engines.base import RequestStream
 from worker.engines.detokenizer import OutputText
 from worker.engines.logprobs import Pending, of_prompt
 from worker.engines.native.block_manager import BlockTable
+from worker.engines.native.model import Batch
+from worker.engines.native.speculation import Proposer
 from worker.engines.sampler import choose
 from worker.request import GenerationRequest, RequestOutput, TokenLogprob
 from worker.telemetry import get_logger
@@ -38,6 +40,10 @@ class Sequence:
     """Of the token sampled last, until it is emitted."""
     prompt_logprobs: list[TokenLogprob] | None = None
     """Filled chunk by chunk during the prefill when the request asked; sent with the first token."""
+    proposer: Proposer | None = None
+    """Its speculative proposals (speculation.py); None when it does not speculate."""
+    draft: list[int] = field(default_factory=list)
+    """Tokens proposed after its last one in the step being run, checked when the step is read."""
 
     def __post_init__(self) -> None:
         if self.request.prompt_logprobs is not None:
@@ -55,9 +61,9 @@ class Sequence:
         if self.matcher is not None and not self.matcher.accept_token(token):
             log.error("grammar refused a token its mask allowed", request_id=self.request.request_id, token=token)
 
-    def output(self, token: int, text: str, finish: str | None) -> RequestOutput:
-        """The message for the token sampled last; the first carries the prompt's logprobs."""
-        output = RequestOutput(text=text, token_ids=[token], finish_reason=finish,
+    def output(self, tokens: list[int], text: str, finish: str | None) -> RequestOutput:
+        """The message for the tokens of the step read last; the first carries the prompt's logprobs."""
+        output = RequestOutput(text=text, token_ids=tokens, finish_reason=finish,
                                logprobs=[self.logprob] if self.logprob else [])
         if self.prompt_logprobs is not None and len(self.output_ids) == 1:
             output.prompt_logprobs = self.prompt_logprobs
@@ -98,6 +104,10 @@ class Step:
     """Of the `ready` rows whose requests asked, in order."""
     logits: torch.Tensor | None = None
     """The ready rows' logits, until sample() has queued their sampling."""
+    verifying: list[Sequence] = field(default_factory=list)
+    """Rows with proposals (Sequence.draft), in order; not in `ready`."""
+    draft_logits: torch.Tensor | None = None
+    """Their logits: 1 + len(draft) rows each, checked by speculation.verify when the step is read."""
 
     @torch.inference_mode()  # penalties write into the logits, which the forward made inference tensors
     def sample(self, grammars: Any) -> Step:
@@ -109,3 +119,30 @@ class Step:
             self.host_tokens = self.tokens.to("cpu", non_blocking=True)
             self.copied.record()
         return self
+
+
+def batch_of(scheduled: list[tuple[Sequence, int]], block_size: int, device: torch.device) -> Batch:
+    """A step's (sequence, tokens) rows packed for the model. A sequence scoring its prompt or
+    checking proposals wants logits at every position, others at their last. A row with proposals
+    runs as 1 + k decodes over the sequence's blocks, each seeing the cache up to its own position:
+    every K/V of a step is stored before any attention reads it, so the step stays all-decode."""
+    ids, positions, slots, last, query_lens, context_lens, tables = [], [], [], [], [], [], []
+    for seq, count in scheduled:
+        start = seq.num_cached
+        ids.extend((seq.tokens + seq.draft if seq.draft else seq.tokens)[start:start + count])
+        for position in range(start, start + count):
+            positions.append(position)
+            slots.append(seq.blocks.blocks[position // block_size] * block_size + position % block_size)
+        last.extend(range(len(ids) - count, len(ids)) if seq.scores_prompt or seq.draft else [len(ids) - 1])
+        if seq.draft:
+            query_lens.extend([1] * count)
+            context_lens.extend(range(start + 1, start + count + 1))
+            tables.extend([seq.blocks.blocks] * count)
+        else:
+            query_lens.append(count)
+            context_lens.append(start + count)
+            tables.append(seq.blocks.blocks)
+    return Batch(
+        input_ids=torch.tensor(ids, device=device), positions=torch.tensor(positions, device=device),
+        slots=torch.tensor(slots, device=device), query_lens=query_lens, context_lens=context_lens,
+        block_tables=tables, last_token_index=torch.tensor(last, device=device), block_size=block_size)

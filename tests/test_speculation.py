@@ -1,0 +1,185 @@
+"""Speculative decoding in the native engine: the n-gram proposer, the verification rules (greedy and
+rejection sampling), and on the embedded model (CPU, fp32) the same greedy and seeded sampled tokens
+with speculation on and off, and every block back after an abort or a deadline in the middle of a
+speculating stream."""
+
+import asyncio
+
+import pytest
+import torch
+
+from worker.config import ConfigError
+from worker.config_loader import load_config
+from worker.engines.native.engine import NativeEngine
+from worker.engines.native.speculation import PAUSE_STEPS, Proposer, Settings, verify
+from worker.errors import RequestDeadlineExceeded
+from worker.request import ChatMessage, GenerationRequest, SamplingParams
+
+SETTINGS = Settings(num_tokens=4, ngram_min=2, ngram_max=3, by_default=True, min_accepted=0.5)
+PARAGRAPH = ("Honey bees make honey from the nectar of flowers. A worker bee carries nectar back to the hive in its "
+             "honey stomach, where enzymes break its sugars down. Bees then spread the nectar in wax cells and fan "
+             "it with their wings until most of the water evaporates, and seal each cell with a cap of wax.")
+PROMPTS = ["Fix the spelling and grammar of this paragraph:\n\n" + PARAGRAPH,
+           "Write a short poem about autumn.", "What does a compiler do?",
+           "Repeat after me: the quick brown fox jumps over the lazy dog, the quick brown fox jumps over the lazy dog."]
+
+
+def test_the_proposer_continues_the_latest_earlier_occurrence_of_the_longest_suffix():
+    proposer = Proposer(SETTINGS)
+    #          0  1  2  3  4  5  6  7  8  9
+    tokens = [5, 6, 7, 8, 9, 1, 6, 7, 2, 3, 4, 6, 7]
+    assert proposer.propose(tokens, limit=10) == [2, 3, 4, 6], "(6, 7) last occurred at 6-7, followed by 2, 3, 4, 6"
+    assert proposer.propose(tokens + [8], limit=10) == [9, 1, 6, 7], "(6, 7, 8) beats (7, 8): 3 tokens matched"
+    assert proposer.propose(tokens + [8], limit=2) == [9, 1], "no more than the request's remaining tokens"
+    assert proposer.propose([1, 2, 3, 4], limit=10) == [], "no earlier occurrence"
+    assert Proposer(SETTINGS).propose([1, 2, 1, 2], limit=10) == [1, 2], "the continuation may run into the suffix"
+
+
+def test_a_sequence_whose_proposals_fail_pauses_longer_each_time():
+    proposer = Proposer(SETTINGS)
+    tokens = [1, 2, 3] * 4
+    pauses = []
+    for _ in range(3):
+        while proposer.active:
+            assert proposer.propose(tokens, 10)
+            proposer.record(0)
+        skipped = 0
+        while not proposer.propose(tokens, 10):
+            skipped += 1
+        pauses.append(skipped)
+        proposer.record(0)
+    assert pauses == [PAUSE_STEPS[0], 2 * PAUSE_STEPS[0], 4 * PAUSE_STEPS[0]]
+    for _ in range(8):  # accepted again: the pause it next takes is the first one
+        proposer.record(4)
+    while proposer.active:
+        proposer.propose(tokens, 10)
+        proposer.record(0)
+    assert sum(not proposer.propose(tokens, 10) for _ in range(PAUSE_STEPS[0] + 1)) == PAUSE_STEPS[0]
+
+
+class Row:
+    def __init__(self, draft, temperature=0.0, seed=0, top_k=0):
+        self.draft = draft
+        self.request = GenerationRequest(request_id="r", sampling=SamplingParams(temperature=temperature, top_k=top_k))
+        self.generator = torch.Generator().manual_seed(seed)
+
+
+def one_hot(ids: list[int], vocab: int = 8) -> torch.Tensor:
+    logits = torch.full((len(ids), vocab), -5.0)
+    logits[range(len(ids)), ids] = 5.0
+    return logits
+
+
+def test_greedy_verification_takes_proposals_while_they_are_the_argmax_then_one_more():
+    rows = [Row([3, 4, 5]), Row([1, 1]), Row([2, 6])]
+    # Row 0: the model says 3, 4, 7 (rejects 5), then 2; row 1: 0 first; row 2: takes both, then 5.
+    logits = torch.cat([one_hot([3, 4, 7, 2]), one_hot([0, 1, 1]), one_hot([2, 6, 5])])
+    assert verify(logits, rows) == [[3, 4, 7], [0], [2, 6, 5]]
+
+
+@pytest.mark.parametrize("top_k", [0, 3])
+def test_rejection_sampling_keeps_the_model_s_distribution(top_k):
+    """With the proposal fixed, the first token over 6,000 seeds is distributed as the model says
+    (top-k applied), and a proposal is followed by a second token exactly when it was accepted.
+    Accepting every proposal moves the distribution far past the bound."""
+    logits = torch.tensor([[2.0, 1.5, 1.0, 0.5, 0.0, -1.0]] * 2)
+    p = torch.softmax(logits[0], dim=-1)
+    if top_k:
+        p[top_k:] = 0
+        p /= p.sum()
+    counts = torch.zeros(6)
+    trials = 6000
+    for seed in range(trials):
+        tokens = verify(logits, [Row([1], temperature=1.0, seed=seed, top_k=top_k)])[0]
+        counts[tokens[0]] += 1
+        assert len(tokens) == 2 if tokens[0] == 1 else len(tokens) == 1
+    assert 0.5 * (counts / trials - p).abs().sum() < 0.025, (counts / trials, p)
+
+
+def engine_for(embedded_model, **args) -> NativeEngine:
+    return NativeEngine(load_config(None, {"HOME": "/tmp"}, {
+        "engine.name": "native", "engine.model": str(embedded_model), "engine.dtype": "float32",
+        **{f"engine.args.{key}": str(value) for key, value in args.items()}}))
+
+
+def requests_for(engine: NativeEngine, speculative: bool, max_tokens: int = 64, **sampling) -> list[GenerationRequest]:
+    made = []
+    for index, prompt in enumerate(PROMPTS):
+        request = GenerationRequest(request_id=f"r{index}", messages=(ChatMessage("user", prompt),),
+                                    sampling=SamplingParams(max_tokens=max_tokens, **sampling), speculative=speculative)
+        request.prompt_token_ids = engine.encode(request)
+        engine.prepare(request)
+        made.append(request)
+    return made
+
+
+async def tokens_of(engine: NativeEngine, request: GenerationRequest) -> list[int]:
+    return [t async for out in engine.stream_predict(request) for t in out.token_ids]
+
+
+async def test_greedy_tokens_are_the_same_with_speculation_on_and_off(embedded_model):
+    engine = engine_for(embedded_model, speculation="requested")
+    await engine.load_model()
+    try:
+        off = [await tokens_of(engine, r) for r in requests_for(engine, False)]
+        assert engine.speculation_stats() == (0, 0, 0)
+        alone = [await tokens_of(engine, r) for r in requests_for(engine, True)]
+        drafts, proposed, accepted = engine.speculation_stats()
+        assert alone == off
+        assert accepted > 0.5 * proposed > 0, "the paragraph is copied: most proposals are taken"
+        together = await asyncio.gather(*(tokens_of(engine, r) for r in requests_for(engine, True)))
+        assert list(together) == off
+        assert engine.num_unfinished() == 0 and engine.blocks.num_free == engine.blocks.num_blocks
+    finally:
+        await engine.unload_model()
+
+
+async def test_seeded_sampling_gives_the_same_tokens_with_speculation_on_and_off(embedded_model):
+    """Every token emitted takes one draw from the request's generator, whichever step made it."""
+    engine = engine_for(embedded_model, speculation="requested")
+    await engine.load_model()
+    try:
+        runs = {}
+        for on in (False, True, True):
+            requests = requests_for(engine, on, temperature=0.7, top_p=0.95, seed=11)
+            runs.setdefault(on, []).append(await asyncio.gather(*(tokens_of(engine, r) for r in requests)))
+        assert runs[True][0] == runs[True][1] == runs[False][0]
+        assert engine.speculation_stats()[2] > 0, "sampled proposals were accepted"
+        assert engine.num_unfinished() == 0 and engine.blocks.num_free == engine.blocks.num_blocks
+    finally:
+        await engine.unload_model()
+
+
+@pytest.mark.parametrize("ending", ["abort", "deadline"])
+async def test_a_stream_ended_mid_speculation_gives_back_every_block(embedded_model, ending):
+    engine = engine_for(embedded_model)
+    await engine.load_model()
+    try:
+        request = requests_for(engine, True, max_tokens=400, ignore_eos=True)[3]
+        stream = engine.stream_predict(request)
+        async for output in stream:
+            if len(output.token_ids) > 1:  # proposals were accepted in this step: the next one speculates too
+                break
+        else:
+            pytest.fail("no step accepted a proposal")
+        if ending == "deadline":  # as the servicer's timer ends a stream, then releases it
+            stream.fail(RequestDeadlineExceeded("deadline passed while generating"))
+        engine.abort(stream)
+        for _ in range(500):
+            if engine.num_unfinished() == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert engine.num_unfinished() == 0 and engine.blocks.num_free == engine.blocks.num_blocks
+        assert await tokens_of(engine, requests_for(engine, True, max_tokens=4)[1]), "the engine still serves"
+    finally:
+        await engine.unload_model()
+
+
+@pytest.mark.parametrize(("args", "key"), [
+    ({"speculation": "always"}, "engine.args.speculation"),
+    ({"speculative_tokens": 17}, "engine.args.speculative_tokens"),
+    ({"speculative_ngram_min": 3, "speculative_ngram_max": 2}, "engine.args.speculative_ngram_min"),
+])
+def test_speculation_settings_are_checked(embedded_model, args, key):
+    with pytest.raises(ConfigError, match=key):
+        engine_for(embedded_model, **args)

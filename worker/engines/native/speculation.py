@@ -1,0 +1,260 @@
+"""Speculative decoding without a draft model: a sequence's next tokens guessed by n-gram lookup in
+its own tokens (prompt lookup), checked in the step's one forward pass, several accepted a step.
+
+A sequence proposes the tokens that followed the latest earlier occurrence of its last n tokens (n
+from ngram_max down to ngram_min). The step computes its last token and the k proposed ones (a row of
+1 + k tokens, like a short prefill after the cached context); the logits at position j are the
+model's own choice after proposal j - 1. Greedy: proposals are accepted while they equal the argmax,
+then the argmax at the first mismatch (or after the last proposal) is added, so the tokens are those
+of decoding one at a time. Sampled: rejection sampling of a point-mass proposal (accept d with
+probability min(1, p(d)/q(d)) = p(d), else draw from p without d; Leviathan et al., 2023), done by
+drawing the position's token as sampling would, with the request's generator, and accepting d when
+it is that token: both the acceptance and the rejected case's distribution come out as the rule
+says, and every token emitted takes one draw, so a seeded request gives the same tokens with
+speculation on and off.
+
+A sequence whose proposals are seldom accepted stops proposing for a while, longer each time, so text
+that does not repeat itself runs as plain decoding does. A proposal also has to pay for itself in the
+step it joins: its rows cost every sequence of the step time (StepCost, measured), which at batch 1
+is next to nothing and on a CPU at batch 8 is most of a decode row's worth each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from worker.config import ConfigError
+from worker.engines.sampler import distribution, inverse_cdf
+
+if TYPE_CHECKING:
+    from worker.engines.native.block_manager import BlockManager
+    from worker.engines.native.sequence import Sequence
+    from worker.request import GenerationRequest
+
+MARGIN = 2.0
+"""A proposal joins a step when its expected tokens per second beat the step's by this factor: both
+are estimates, and the rows it adds slow every sequence of the step for certain."""
+PAUSE_STEPS = (8, 512)
+"""Steps a sequence proposes nothing after its acceptance fell below the threshold: the first pause,
+doubled each time up to the second."""
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    num_tokens: int
+    """Most tokens proposed a step (k); 0 (speculation off): requests that ask for it are refused."""
+    ngram_min: int
+    ngram_max: int
+    by_default: bool | None
+    """Whether requests that do not say speculate; None (auto): on CPUs, not on CUDA (see docs/native.md)."""
+    min_accepted: float
+    """Accepted tokens a verify step must average (recent steps) for a sequence to keep proposing:
+    a verify row of 1 + k tokens costs more than a one-token decode (see docs/native.md)."""
+
+    @classmethod
+    def from_args(cls, args: dict) -> Settings:
+        mode = {True: "on", False: "off"}.get(args["speculation"], str(args["speculation"]).lower())
+        if mode not in ("auto", "on", "requested", "off"):
+            raise ConfigError("engine.args.speculation",
+                              "auto (on for CPUs) | on (for every request that does not opt out) | requested | off")
+        settings = cls(int(args["speculative_tokens"]) if mode != "off" else 0, int(args["speculative_ngram_min"]),
+                       int(args["speculative_ngram_max"]), None if mode == "auto" else mode == "on",
+                       float(args["speculative_min_accepted"]))
+        if not 0 <= settings.num_tokens <= 16:
+            raise ConfigError("engine.args.speculative_tokens", "0 (off) to 16 tokens proposed a step")
+        if not 1 <= settings.ngram_min <= settings.ngram_max <= 16:
+            raise ConfigError("engine.args.speculative_ngram_min", "1 <= speculative_ngram_min <= speculative_ngram_max <= 16")
+        if settings.min_accepted < 0:
+            raise ConfigError("engine.args.speculative_min_accepted", "a number of tokens, 0 or more")
+        return settings
+
+
+class StepCost:
+    """Seconds an all-decode step takes as a + b x rows, fitted to recent steps by least squares with
+    exponential forgetting: b is what a proposed token costs the whole step. Unknown (None) until
+    the steps seen vary in rows."""
+
+    def __init__(self, decay: float = 0.97):
+        self.decay = decay
+        self._sums = [0.0] * 5  # weight, rows, rows^2, seconds, rows x seconds
+
+    def record(self, rows: int, seconds: float) -> None:
+        self._sums = [self.decay * total + value for total, value in
+                      zip(self._sums, (1.0, rows, rows * rows, seconds, rows * seconds))]
+
+    def fit(self) -> tuple[float, float] | None:
+        """(a, b) in seconds and seconds a row; None while the rows seen hardly vary."""
+        weight, rows, squares, seconds, products = self._sums
+        if weight < 4:
+            return None
+        variance = squares / weight - (rows / weight) ** 2
+        if variance < 0.5:
+            return None
+        per_row = max(0.0, (products / weight - rows * seconds / weight ** 2) / variance)
+        return max(0.0, seconds / weight - per_row * rows / weight), per_row
+
+
+class Proposer:
+    """One sequence's proposals and its recent acceptance."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self._index: dict[tuple[int, ...], int] = {}  # n-gram -> the position after its latest occurrence
+        self._indexed = 0  # n-grams that end before this position are in _index
+        self._accepted = float(settings.num_tokens)  # recent accepted tokens a verify step (moving average)
+        self._paused = 0
+        self._pause = PAUSE_STEPS[0]
+
+    @property
+    def active(self) -> bool:
+        return not self._paused
+
+    @property
+    def expected(self) -> float:
+        """Tokens a verify step of this sequence has accepted lately (moving average)."""
+        return self._accepted
+
+    def propose(self, tokens: list[int], limit: int) -> list[int]:
+        """Up to min(k, limit) tokens that followed the latest earlier occurrence of the longest
+        suffix of `tokens` found; [] when none is found or the sequence is paused."""
+        if self._paused:
+            self._paused -= 1
+            return []
+        if limit <= 0:
+            return []
+        low, high = self.settings.ngram_min, self.settings.ngram_max
+        end = len(tokens) - 1  # the suffix ending at `end` is the query, not an earlier occurrence
+        index = self._index
+        for last in range(max(self._indexed, low - 1), end):
+            for n in range(low, min(high, last + 1) + 1):
+                index[tuple(tokens[last + 1 - n:last + 1])] = last + 1
+        self._indexed = max(self._indexed, end)
+        for n in range(min(high, len(tokens)), low - 1, -1):
+            start = index.get(tuple(tokens[-n:]))
+            if start is not None:
+                return tokens[start:start + min(limit, self.settings.num_tokens)]
+        return []
+
+    def record(self, accepted: int) -> None:
+        """A verify step's outcome: below the threshold on average, the sequence pauses."""
+        self._accepted = 0.75 * self._accepted + 0.25 * accepted
+        if self._accepted >= 2 * self.settings.min_accepted:
+            self._pause = PAUSE_STEPS[0]
+        elif self._accepted < self.settings.min_accepted:
+            self._paused, self._pause = self._pause, min(2 * self._pause, PAUSE_STEPS[1])
+            self._accepted = 2 * self.settings.min_accepted  # a few tries after the pause
+
+
+class Speculator:
+    """The engine's side: which sequences propose, which proposals join a step, and the counters."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.by_default = bool(settings.by_default)  # the engine settles auto once it knows its device
+        self.step_cost = StepCost()
+        self.drafts = self.proposed = self.accepted = 0  # rows checked, tokens proposed, tokens accepted
+
+    def stats(self) -> tuple[int, int, int]:
+        return self.drafts, self.proposed, self.accepted
+
+    def proposer_for(self, request: GenerationRequest, plain: bool) -> Proposer | None:
+        """A proposer where the request speculates: asked for (or by default), and its next token
+        chosen from the logits alone (no grammar, penalties or logprobs; plain) and no prompt scored."""
+        wanted = request.speculative if request.speculative is not None else self.by_default
+        if wanted and self.settings.num_tokens and plain and request.prompt_logprobs is None:
+            return Proposer(self.settings)
+        return None
+
+    def propose(self, scheduled: list[tuple[Sequence, int]], blocks: BlockManager, max_model_len: int,
+                overlap: bool) -> int:
+        """Proposals for the decodes in `scheduled` (rewritten to 1 + k tokens) that pay for their
+        rows: the tokens a sequence's proposals have lately added (a) against what its k rows cost
+        the step (k x b, StepCost), taken while a x (step seconds) > MARGIN x (step tokens) x k x b,
+        best first. Only where free blocks hold them, after every decode has its block: proposals
+        never preempt. Returns the tokens added."""
+        candidates = []
+        for row, (seq, _) in enumerate(scheduled):
+            if seq.proposer is None:
+                continue
+            limit = min(seq.request.sampling.max_tokens - len(seq.output_ids),
+                        max_model_len - len(seq.tokens)) - 1  # the token after them counts too
+            if draft := seq.proposer.propose(seq.tokens, limit):
+                candidates.append((seq.proposer.expected / len(draft), row, draft))
+            elif overlap:  # a step that proposes nothing still costs the overlap (engine._launch_ahead)
+                seq.proposer.record(0)
+        fit = self.step_cost.fit()
+        tokens, seconds = len(scheduled), fit[0] + fit[1] * len(scheduled) if fit else 0.0
+        added = 0
+        for per_token, row, draft in sorted(candidates, reverse=True):
+            seq = scheduled[row][0]
+            if fit and per_token * seconds <= MARGIN * tokens * fit[1]:
+                break  # this one and the rest slow the step more than they add
+            if blocks.can_grow(seq.blocks, seq.num_cached + 1 + len(draft)):
+                blocks.grow(seq.blocks, seq.num_cached + 1 + len(draft))
+                seq.draft = draft
+                scheduled[row] = (seq, 1 + len(draft))
+                added += len(draft)
+                if fit:
+                    tokens, seconds = tokens + per_token * len(draft), seconds + fit[1] * len(draft)
+        return added
+
+    def check(self, seqs: list[Sequence], logits: torch.Tensor) -> list[tuple[Sequence, list[int]]]:
+        """(sequence, the tokens it appends) for the rows with proposals of a step just read, the
+        ended ones left out; their drafts cleared, the counters and their proposers told."""
+        checked = []
+        for seq, tokens in zip(seqs, verify(logits, seqs)):
+            proposed, seq.draft = len(seq.draft), []
+            if seq.done:  # ended (a stop string, an abort) after the step was launched
+                continue
+            self.drafts, self.proposed, self.accepted = self.drafts + 1, self.proposed + proposed, \
+                self.accepted + len(tokens) - 1
+            seq.proposer.record(len(tokens) - 1)
+            checked.append((seq, tokens))
+        return checked
+
+
+def verify(logits: torch.Tensor, rows: list) -> list[list[int]]:
+    """The tokens each row's sequence appends: its accepted proposals, then one token more.
+    logits: (sum of 1 + len(row.draft), vocab), each row's positions in order; rows: sequences
+    (request, generator, draft) with no grammar, penalties or logprobs."""
+    starts, at = [], 0
+    for row in rows:
+        starts.append(at)
+        at += 1 + len(row.draft)
+    out: list[list[int]] = [[] for _ in rows]
+    greedy = [i for i, row in enumerate(rows) if row.request.sampling.is_greedy]
+    if greedy:
+        index = [starts[i] + j for i in greedy for j in range(1 + len(rows[i].draft))]
+        chosen = (logits[index] if len(index) < len(logits) else logits).float().argmax(dim=-1).tolist()
+        at = 0
+        for i in greedy:
+            draft = rows[i].draft
+            targets = chosen[at:at + 1 + len(draft)]
+            at += 1 + len(draft)
+            accepted = 0
+            while accepted < len(draft) and draft[accepted] == targets[accepted]:
+                accepted += 1
+            out[i] = [*draft[:accepted], targets[accepted]]
+    for i, row in enumerate(rows):
+        if not row.request.sampling.is_greedy:
+            span = logits[starts[i]:starts[i] + 1 + len(row.draft)]
+            out[i] = _sampled(*distribution(span, row.request.sampling), row.draft, row.generator)
+    return out
+
+
+def _sampled(probs: torch.Tensor, order: torch.Tensor | None, draft: list[int], generator: torch.Generator) -> list[int]:
+    """Position by position, the token sampling draws there (one number from the request's
+    generator, as sample() draws it); a proposal is accepted when it is that token, and the first
+    that is not ends the row with the token drawn. So a proposal is accepted with its probability
+    p(d), a rejection leaves p without d, and the tokens are those sampling one at a time gives,
+    draw for draw."""
+    tokens = []
+    for j in range(len(draft) + 1):
+        rank = int(inverse_cdf(probs[j:j + 1], [generator])[0])
+        tokens.append(int(order[j, rank]) if order is not None else rank)
+        if j == len(draft) or tokens[-1] != draft[j]:
+            return tokens
+    return tokens
