@@ -15,7 +15,7 @@ over the wall time, what a server at that concurrency serves (a static batch of 
 longest stream, which speculation shortens only when that stream repeats itself). Acceptance:
 accepted / proposed tokens, from the engine's counters.
 
-Writes bench/results/speculation_<device>.json and .png.
+Writes bench/results/speculation_<device>[_<dtype> unless float32].json and .png.
 
     python bench/speculation.py [--device cpu|cuda] [--batches 1,8] [--repeats 3] [--max-tokens 128]
                                 [--model NAME|FOLDER] [--dtype float32|bfloat16] [--args JSON]
@@ -116,7 +116,7 @@ def main() -> int:
               "max_tokens": options.max_tokens, "greedy": True, "settings": settings, "rows": rows,
               "targets": {"repeating_batch_1": 1.8, "non_repeating": 0.97}}
     RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = RESULTS / f"speculation_{options.device}"
+    stem = RESULTS / (f"speculation_{options.device}" + ("" if options.dtype == "float32" else f"_{options.dtype}"))
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     plot(result, stem.with_suffix(".png"))
     for row in rows:

@@ -11,7 +11,7 @@ import torch
 from worker.config import ConfigError
 from worker.config_loader import load_config
 from worker.engines.native.engine import NativeEngine
-from worker.engines.native.speculation import PAUSE_STEPS, Proposer, Settings, verify
+from worker.engines.native.speculation import PAUSE_STEPS, Proposer, Settings, StepCost, verify
 from worker.errors import RequestDeadlineExceeded
 from worker.request import ChatMessage, GenerationRequest, SamplingParams
 
@@ -31,8 +31,9 @@ def test_the_proposer_continues_the_latest_earlier_occurrence_of_the_longest_suf
     assert proposer.propose(tokens, limit=10) == [2, 3, 4, 6], "(6, 7) last occurred at 6-7, followed by 2, 3, 4, 6"
     assert proposer.propose(tokens + [8], limit=10) == [9, 1, 6, 7], "(6, 7, 8) beats (7, 8): 3 tokens matched"
     assert proposer.propose(tokens + [8], limit=2) == [9, 1], "no more than the request's remaining tokens"
-    assert proposer.propose([1, 2, 3, 4], limit=10) == [], "no earlier occurrence"
-    assert Proposer(SETTINGS).propose([1, 2, 1, 2], limit=10) == [1, 2], "the continuation may run into the suffix"
+    assert Proposer(SETTINGS).propose([1, 2, 3, 4], limit=10) == [], "no earlier occurrence"
+    assert Proposer(SETTINGS).propose([1, 2, 1, 2], limit=10) == [1, 2, 1, 2], "a loop goes on past the suffix"
+    assert Proposer(SETTINGS).propose([9, 5, 5, 5], limit=3) == [5, 5, 5]
 
 
 def test_a_sequence_whose_proposals_fail_pauses_longer_each_time():
@@ -55,6 +56,29 @@ def test_a_sequence_whose_proposals_fail_pauses_longer_each_time():
         proposer.propose(tokens, 10)
         proposer.record(0)
     assert sum(not proposer.propose(tokens, 10) for _ in range(PAUSE_STEPS[0] + 1)) == PAUSE_STEPS[0]
+
+
+def test_step_cost_fits_what_a_row_costs_once_the_rows_vary():
+    cost = StepCost()
+    for _ in range(20):
+        cost.record(8, 0.030)
+    assert cost.fit() is None, "steps of one size say nothing of a row's cost"
+    for step in range(60):
+        rows = 8 + step % 5 * 4
+        cost.record(rows, 0.020 + 0.0012 * rows)
+    base, per_row = cost.fit()
+    assert abs(per_row - 0.0012) < 1e-4 and abs(base - 0.020) < 2e-3
+
+
+def test_a_proposal_left_out_is_tried_again_later():
+    proposer = Proposer(SETTINGS)
+    for _ in range(3):
+        proposer.record(0)
+    low = proposer.expected
+    assert low < 2
+    for _ in range(30):
+        proposer.skipped()
+    assert proposer.expected > low + 1, "its estimate drifts back toward k, so it gets checked again"
 
 
 class Row:

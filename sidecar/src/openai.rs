@@ -71,6 +71,9 @@ pub struct Sampling {
     pub structured_outputs: Option<Map<String, Value>>,
     pub logit_bias: Option<Map<String, Value>>,
     pub best_of: Option<u32>,
+    /// cy-llm's: speculative decoding for this request (PredictRequest.speculative); unset follows
+    /// the worker.
+    pub speculative: Option<bool>,
     /// Everything else: a no-op of NO_OPS, or refused.
     #[serde(flatten)]
     pub other: Map<String, Value>,
@@ -288,6 +291,7 @@ impl CompletionRequest {
             structured_output: self.sampling.structured_output()?,
             logprobs,
             prompt_logprobs,
+            speculative: self.sampling.speculative,
             ..Default::default()
         };
         Ok((proto, self.echo.then_some(prompt)))
@@ -332,6 +336,7 @@ impl ChatRequest {
             sampling: Some(self.sampling.to_proto()?),
             structured_output,
             logprobs: self.sampling.logprob_count(true)?,
+            speculative: self.sampling.speculative,
             ..Default::default()
         };
         Ok((proto, plan))
@@ -370,6 +375,12 @@ mod tests {
         let (proto, _) = serde_json::from_value::<ChatRequest>(body).unwrap().into_proto("r").unwrap();
         assert_eq!(proto.logprobs, Some(3));
         assert_eq!(proto.structured_output.unwrap().kind, Some(Kind::JsonSchema(r#"{"type":"object"}"#.into())));
+        for (body, speculative) in [(json!({"prompt": "x", "speculative": false}), Some(false)), (json!({"prompt": "x"}), None)] {
+            let (proto, _) = serde_json::from_value::<CompletionRequest>(body).unwrap().into_proto("r").unwrap();
+            assert_eq!(proto.speculative, speculative);
+        }
+        let body = json!({"messages": [{"role": "user", "content": "hi"}], "speculative": true});
+        assert_eq!(serde_json::from_value::<ChatRequest>(body).unwrap().into_proto("r").unwrap().0.speculative, Some(true));
     }
 
     #[test]

@@ -251,6 +251,9 @@ impl Pool {
         if matches!(&request.input, Some(Input::Chat(chat)) if !chat.tools_json.is_empty()) {
             needs.push(("tools".to_string(), Box::new(|c| c.tools)));
         }
+        if request.speculative == Some(true) {
+            needs.push(("speculative decoding".to_string(), Box::new(|c| c.speculative_decoding)));
+        }
         if able.is_empty() {
             return None;
         }

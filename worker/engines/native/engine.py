@@ -210,9 +210,13 @@ class NativeEngine(ThreadedEngine):
             self._pending = self._read(step)
             if ahead is not None and ahead.logits is not None:  # its forward pass runs while the masks fill
                 ahead.sample(self.grammars)
-            self.last_step_at = time.monotonic()
-            if self.speculates and not prefilled and step.launched_at:
-                self.speculator.step_cost.record(rows, self.last_step_at - step.launched_at)
+            previous, self.last_step_at = self.last_step_at, time.monotonic()
+            if self.speculates and not prefilled:
+                if step.launched_at:
+                    self.speculator.step_cost.record(rows, self.last_step_at - step.launched_at)
+                if self.overlap and not self._waiting and self.last_step_at - previous < 1.0:  # (not after idling)
+                    self.speculator.record_period(not step.launched_at, sum(len(t) for _, t in self._pending),
+                                                  len(step.scheduled), self.last_step_at - previous)
             if step.flops:  # priced: it may have prefilled
                 self.pacer.record(step.flops, self.last_step_at - step.launched_at, prefilled)
             step = ahead
@@ -350,13 +354,15 @@ class NativeEngine(ThreadedEngine):
         from the sampler into the graph's inputs on the device, so the device does not wait while
         this thread reads them and schedules. Only where that step is already known: every row of
         `step` samples and none can end by its length, nothing waits to join and the blocks are
-        free. Rows of sequences that the pending tokens end (EOS, a stop) are computed and dropped;
-        their slot writes land in blocks that stream order keeps from anyone else until this step
-        is done."""
+        free; and where a sequence may propose, only while launching ahead has lately paid more
+        (Speculator.schedules_next). Rows of sequences that the pending tokens end (EOS, a stop)
+        are computed and dropped; their slot writes land in blocks that stream order keeps from
+        anyone else until this step is done."""
         seqs = step.ready
         if (self.graphs is None or self._waiting or not seqs or len(seqs) != len(step.scheduled)
-                or len(seqs) > self.graphs.max_batch or any(seq.proposer and seq.proposer.active for seq in seqs)):
-            return None  # (a sequence proposing needs its next step scheduled, not launched ahead)
+                or len(seqs) > self.graphs.max_batch
+                or any(seq.proposer and seq.proposer.active for seq in seqs) and self.speculator.schedules_next()):
+            return None
         # One pass (at batch 256 this thread is the bottleneck): the cache must hold each sequence's
         # known tokens and the pending one.
         last_position, block_size = self.info.max_model_len - 1, self.blocks.block_size

@@ -34,9 +34,14 @@ if TYPE_CHECKING:
     from worker.engines.native.sequence import Sequence
     from worker.request import GenerationRequest
 
-MARGIN = 2.0
-"""A proposal joins a step when its expected tokens per second beat the step's by this factor: both
-are estimates, and the rows it adds slow every sequence of the step for certain."""
+MARGIN = 1.0
+"""Tokens a proposal's recent average is marked down by before it is weighed against its rows: the
+average rides on a few checks, and the rows slow every sequence of the step for certain. Measured:
+without it, chat at batch 8 on a 2-core CPU ran at 0.93x; a factor of 2 on the whole comparison
+instead held back proposals that pay (H200, batch 8 of copied text: 0.74x)."""
+EXPLORE_STEPS = 32
+"""With overlap (CUDA): while launching ahead beats scheduling, every this many steps one is
+scheduled anyway, so the rate of scheduled steps stays measured."""
 PAUSE_STEPS = (8, 512)
 """Steps a sequence proposes nothing after its acceptance fell below the threshold: the first pause,
 doubled each time up to the second."""
@@ -118,13 +123,21 @@ class Proposer:
         return self._accepted
 
     def propose(self, tokens: list[int], limit: int) -> list[int]:
-        """Up to min(k, limit) tokens that followed the latest earlier occurrence of the longest
-        suffix of `tokens` found; [] when none is found or the sequence is paused."""
+        """min(k, limit) tokens that followed the latest earlier occurrence of the longest suffix
+        of `tokens` found; [] when none is found or the sequence is paused."""
         if self._paused:
             self._paused -= 1
             return []
-        if limit <= 0:
+        start = self._lookup(tokens) if limit > 0 else None
+        if start is None:
             return []
+        # What followed; where that runs into the suffix itself (a loop of period p), the loop goes
+        # on: a model that repeats "a b a b" gets k tokens, not one.
+        period = len(tokens) - start
+        return [tokens[start + i % period] for i in range(min(limit, self.settings.num_tokens))]
+
+    def _lookup(self, tokens: list[int]) -> int | None:
+        """Where what followed the latest earlier occurrence of the longest suffix found starts."""
         low, high = self.settings.ngram_min, self.settings.ngram_max
         end = len(tokens) - 1  # the suffix ending at `end` is the query, not an earlier occurrence
         index = self._index
@@ -133,10 +146,14 @@ class Proposer:
                 index[tuple(tokens[last + 1 - n:last + 1])] = last + 1
         self._indexed = max(self._indexed, end)
         for n in range(min(high, len(tokens)), low - 1, -1):
-            start = index.get(tuple(tokens[-n:]))
-            if start is not None:
-                return tokens[start:start + min(limit, self.settings.num_tokens)]
-        return []
+            if (start := index.get(tuple(tokens[-n:]))) is not None:
+                return start
+        return None
+
+    def skipped(self) -> None:
+        """A proposal left out of a step as not worth its rows: the estimate drifts back up, so
+        a sequence whose text turns to copying gets checked again (nothing else would update it)."""
+        self._accepted += 0.05 * (self.settings.num_tokens - self._accepted)
 
     def record(self, accepted: int) -> None:
         """A verify step's outcome: below the threshold on average, the sequence pauses."""
@@ -156,6 +173,10 @@ class Speculator:
         self.by_default = bool(settings.by_default)  # the engine settles auto once it knows its device
         self.step_cost = StepCost()
         self.drafts = self.proposed = self.accepted = 0  # rows checked, tokens proposed, tokens accepted
+        # With overlap: tokens a second a sequence gets from decode steps launched ahead (chained)
+        # and from those scheduled so that sequences may propose (moving averages).
+        self._rates: dict[bool, float | None] = {True: None, False: None}
+        self._since_scheduled = 0
 
     def stats(self) -> tuple[int, int, int]:
         return self.drafts, self.proposed, self.accepted
@@ -171,8 +192,8 @@ class Speculator:
     def propose(self, scheduled: list[tuple[Sequence, int]], blocks: BlockManager, max_model_len: int,
                 overlap: bool) -> int:
         """Proposals for the decodes in `scheduled` (rewritten to 1 + k tokens) that pay for their
-        rows: the tokens a sequence's proposals have lately added (a) against what its k rows cost
-        the step (k x b, StepCost), taken while a x (step seconds) > MARGIN x (step tokens) x k x b,
+        rows: the tokens a sequence's proposals have lately added, less MARGIN (a), against what its
+        k rows cost the step (k x b, StepCost), taken while a x (step seconds) > (step tokens) x k x b,
         best first. Only where free blocks hold them, after every decode has its block: proposals
         never preempt. Returns the tokens added."""
         candidates = []
@@ -182,16 +203,18 @@ class Speculator:
             limit = min(seq.request.sampling.max_tokens - len(seq.output_ids),
                         max_model_len - len(seq.tokens)) - 1  # the token after them counts too
             if draft := seq.proposer.propose(seq.tokens, limit):
-                candidates.append((seq.proposer.expected / len(draft), row, draft))
+                candidates.append(((seq.proposer.expected - MARGIN) / len(draft), row, draft))
             elif overlap:  # a step that proposes nothing still costs the overlap (engine._launch_ahead)
                 seq.proposer.record(0)
         fit = self.step_cost.fit()
         tokens, seconds = len(scheduled), fit[0] + fit[1] * len(scheduled) if fit else 0.0
-        added = 0
+        added, paying = 0, True
         for per_token, row, draft in sorted(candidates, reverse=True):
             seq = scheduled[row][0]
-            if fit and per_token * seconds <= MARGIN * tokens * fit[1]:
-                break  # this one and the rest slow the step more than they add
+            paying = paying and per_token > 0 and not (fit and per_token * seconds <= tokens * fit[1])
+            if not paying:  # this one and the rest (worse) would cost the step more than they add
+                seq.proposer.skipped()
+                continue
             if blocks.can_grow(seq.blocks, seq.num_cached + 1 + len(draft)):
                 blocks.grow(seq.blocks, seq.num_cached + 1 + len(draft))
                 seq.draft = draft
@@ -200,6 +223,25 @@ class Speculator:
                 if fit:
                     tokens, seconds = tokens + per_token * len(draft), seconds + fit[1] * len(draft)
         return added
+
+    def record_period(self, chained: bool, tokens: int, seqs: int, seconds: float) -> None:
+        """A decode step read `seconds` after the step before it (with overlap): launched ahead or
+        scheduled, the tokens it gave its sequences."""
+        if seqs and seconds > 0:
+            rate, old = tokens / seqs / seconds, self._rates[chained]
+            self._rates[chained] = rate if old is None else 0.8 * old + 0.2 * rate
+
+    def schedules_next(self) -> bool:
+        """Whether a decode step whose sequences may propose is scheduled rather than launched ahead
+        of its predecessor's tokens (proposals need them): when scheduled steps have lately given
+        more tokens a second than launching ahead does, while either is unmeasured, and every
+        EXPLORE_STEPS steps."""
+        chained, scheduled = self._rates[True], self._rates[False]
+        self._since_scheduled += 1
+        if chained is None or scheduled is None or scheduled > chained or self._since_scheduled >= EXPLORE_STEPS:
+            self._since_scheduled = 0
+            return True
+        return False
 
     def check(self, seqs: list[Sequence], logits: torch.Tensor) -> list[tuple[Sequence, list[int]]]:
         """(sequence, the tokens it appends) for the rows with proposals of a step just read, the
