@@ -4,6 +4,7 @@ sequences are preempted and recomputed."""
 
 import asyncio
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from worker.deps.hardware import runnable_isas, this_cpu
 from worker.engines.native import kernels
 from worker.engines.native.engine import NativeEngine
 from worker.engines.native.model import Batch, load_model
+from worker.engines.native.sequence import batch_of
 from worker.request import GenerationRequest, SamplingParams
 
 SHARED = "You are a careful assistant. Answer in one short paragraph. Question: "
@@ -149,6 +151,37 @@ async def test_requests_share_a_system_prompt(embedded_model):
         finally:
             await engine.unload_model()
     assert results[True] == results[False]
+
+
+@pytest.mark.skipif(not shutil.which("c++"), reason="no C++ compiler: no one-call decoder to keep a prompt in")
+async def test_a_short_prompt_chunk_runs_as_decode_rows_in_the_one_call_decoder(embedded_model):
+    """On CPU a step that admits a request stays all-decode: its prompt chunk (here 12 tokens after
+    20 cached, beside another sequence's decode) runs as a row per token, each seeing the cache up to
+    its position, and gives the logits and cache writes of the layer-by-layer prefill path."""
+    engine = engine_for(embedded_model, **{"engine.args": "{max_kv_blocks: 16}"})
+    await engine.load_model()
+    try:
+        assert 0 < engine.row_context, "the one-call decoder is loaded"
+        block_size, model = engine.blocks.block_size, engine.model
+        tokens = list(range(100, 132))
+        first = SimpleNamespace(num_cached=0, tokens=tokens, draft=[], scores_prompt=False,
+                                blocks=SimpleNamespace(blocks=[3, 7, 1]))
+        other = SimpleNamespace(num_cached=0, tokens=list(range(200, 210)), draft=[], scores_prompt=False,
+                                blocks=SimpleNamespace(blocks=[5]))
+        model(batch_of([(first, 20), (other, 9)], block_size, engine.device), engine.k_cache, engine.v_cache)
+        first.num_cached, other.num_cached = 20, 9
+        results = []
+        for row_context in (engine.row_context, 0.0):
+            k, v = engine.k_cache.clone(), engine.v_cache.clone()
+            batch = batch_of([(other, 1), (first, 12)], block_size, engine.device, row_context)
+            results.append((model(batch, k, v), k, v))
+            assert bool(batch.prefills or batch.fresh) == (row_context == 0.0)
+        (rows, k, v), (layers, k_ref, v_ref) = results
+        assert rows.shape == (2, model.config.vocab_size)
+        torch.testing.assert_close(rows, layers, atol=2e-4, rtol=1e-4)
+        torch.testing.assert_close((k, v), (k_ref, v_ref), atol=1e-4, rtol=1e-3)
+    finally:
+        await engine.unload_model()
 
 
 @pytest.mark.parametrize("bits", [4, 8])

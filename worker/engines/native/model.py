@@ -263,7 +263,7 @@ class LlamaModel(nn.Module):
             residual = None
             for index, layer in enumerate(self.layers):
                 x, residual = layer(x, residual, cos, sin, batch, k_caches[index], v_caches[index])
-        if batch.prefills or batch.fresh:  # else every token is a decode, its sequence's last
+        if len(batch.last_token_index) < len(batch.input_ids):  # else every token is a decode, its sequence's last
             x, residual = x[batch.last_token_index], residual[batch.last_token_index]
         return self.lm_head(self.norm.add(x, residual)[1])
 

@@ -121,11 +121,14 @@ class Step:
         return self
 
 
-def batch_of(scheduled: list[tuple[Sequence, int]], block_size: int, device: torch.device) -> Batch:
+def batch_of(scheduled: list[tuple[Sequence, int]], block_size: int, device: torch.device,
+             row_context: float = 0.0) -> Batch:
     """A step's (sequence, tokens) rows packed for the model. A sequence scoring its prompt or
     checking proposals wants logits at every position, others at their last. A row with proposals
     runs as 1 + k decodes over the sequence's blocks, each seeing the cache up to its own position:
-    every K/V of a step is stored before any attention reads it, so the step stays all-decode."""
+    every K/V of a step is stored before any attention reads it, so the step stays all-decode. So
+    does a prompt chunk whose tokens see `row_context` or fewer positions on average (CPU, where
+    an all-decode step runs in one call; 0: none)."""
     ids, positions, slots, last, query_lens, context_lens, tables = [], [], [], [], [], [], []
     for seq, count in scheduled:
         start = seq.num_cached
@@ -134,7 +137,7 @@ def batch_of(scheduled: list[tuple[Sequence, int]], block_size: int, device: tor
             positions.append(position)
             slots.append(seq.blocks.blocks[position // block_size] * block_size + position % block_size)
         last.extend(range(len(ids) - count, len(ids)) if seq.scores_prompt or seq.draft else [len(ids) - 1])
-        if seq.draft:
+        if seq.draft or (count > 1 and start + (count + 1) / 2 <= row_context):
             query_lens.extend([1] * count)
             context_lens.extend(range(start + 1, start + count + 1))
             tables.extend([seq.blocks.blocks] * count)
