@@ -184,6 +184,37 @@ async def test_a_short_prompt_chunk_runs_as_decode_rows_in_the_one_call_decoder(
         await engine.unload_model()
 
 
+async def test_messages_are_paced_at_the_source_first_and_last_token_at_once(hf_reference, embedded_model):
+    """server.max_messages_per_s spaces each stream's messages by running streams / the rate (8
+    streams at 50 a second: 160 ms, several ~25 ms steps): the first token goes alone and at once,
+    the rest ride together, the stream ends with its last token, and nothing is lost or reordered
+    (the same tokens and text as with the rate off)."""
+    _, prompts, expected = hf_reference
+
+    async def messages(engine):
+        async def one(index, ids):
+            request = GenerationRequest(request_id=f"p{index}", prompt_token_ids=list(ids),
+                                        sampling=SamplingParams(max_tokens=24, ignore_eos=True))
+            return [(out.token_ids, out.text, out.finish_reason) async for out in engine.stream_predict(request)]
+        return await asyncio.gather(*(one(i, ids) for i, ids in enumerate(prompts)))
+
+    runs = {}
+    for rate in ("50", "0"):
+        engine = engine_for(embedded_model, **{"server.max_messages_per_s": rate})
+        await engine.load_model()
+        try:
+            runs[rate] = await messages(engine)
+            assert engine.num_unfinished() == 0 and engine.blocks.num_free == engine.blocks.num_blocks
+        finally:
+            await engine.unload_model()
+    for paced, plain, tokens in zip(runs["50"], runs["0"], expected):
+        # The rate off: a message a token, but where the consumer fell behind (RequestStream merges).
+        assert len(paced[0][0]) == 1 and 2 * len(paced) < len(plain), "the first token alone, the rest together"
+        assert paced[-1][2] == "length" and all(finish is None for _, _, finish in paced[:-1])
+        assert [t for ids, _, _ in paced for t in ids] == [t for ids, _, _ in plain for t in ids] == tokens[:24]
+        assert "".join(text for _, text, _ in paced) == "".join(text for _, text, _ in plain)
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_quantized_weights_land_on_the_gguf_grid(bits):
     """Weights on GGUF's grid (Q4_1: per 32 inputs d * q + m, q 0..15 with both ends used, as its

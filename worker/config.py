@@ -28,7 +28,8 @@ class ServerConfig:
     log_level: str = "info"
     max_messages_per_s: float = 10_000.0
     """Response messages per second over all streams; each stream's messages are spaced by
-    running streams / this, and tokens produced meanwhile ride in the next message. Leaves the
+    running streams / this, and tokens produced meanwhile ride in the next message (the native
+    engine spaces them where it makes them; a first token and a last one go at once). Leaves the
     event loop room to accept new calls under load. 0 sends as fast as the transport takes them."""
     progress_timeout_s: float = 20.0
     """While requests run and the engine completed no step (a prefill chunk or a decode) and sent

@@ -39,6 +39,7 @@ from worker.telemetry import get_logger
 
 log = get_logger(__name__)
 GIB = 1 << 30
+MIN_SPACING_S = 0.0005  # messages closer than this are not held back (the servicer's threshold too)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ARGS = {"block_size": 16, "max_num_batched_tokens": 2048, "max_num_seqs": 64, "gpu_memory_utilization": 0.9,
         "kv_cache_dtype": "auto", "enable_prefix_caching": True, "enforce_eager": False, "cpu_threads": 0,
@@ -77,6 +78,7 @@ class NativeEngine(ThreadedEngine):
         self.prefix_queried_tokens = self.prefix_hit_tokens = 0
         self._step_flops = 0.0  # of the step being scheduled, priced by the PrefillPacer
         self.row_context = 0.0  # prompt chunks that run as decode rows (batch_of), set at load
+        self.max_messages_per_s = config.server.max_messages_per_s
 
     def _load(self) -> None:
         engine = self.config.engine
@@ -302,6 +304,9 @@ class NativeEngine(ThreadedEngine):
         return scheduled
 
     def _preempt(self, seq: Sequence) -> None:
+        if seq.unsent is not None:  # it makes no tokens until it runs again
+            self._post(seq.stream.put, seq.unsent)
+            seq.unsent = None
         self.blocks.release(seq.blocks)
         seq.num_cached = 0
         self._running.remove(seq)
@@ -442,9 +447,16 @@ class NativeEngine(ThreadedEngine):
         return len(seq.output_ids) >= seq.request.sampling.max_tokens or len(seq.tokens) >= self.info.max_model_len
 
     def _emit(self) -> None:
-        """Text and messages of the tokens last read: one message per sequence."""
+        """Text and messages of the tokens last read. A sequence's first and last tokens go out at
+        once; the others once `running / server.max_messages_per_s` has passed since its last
+        message, riding together, as the servicer spaces gRPC streams. Paced here, at the source,
+        every consumer wakes that much less, and they share the GIL with this thread (a tiny model
+        on the 2-core CPU, where the host is what a step costs: batch 256, 5.5 ms a step against
+        4.3 paced; batch 64, 1.25 against 1.11)."""
         outputs = []
         sampled, self._pending = self._pending, []
+        now = time.monotonic()
+        spacing = len(self._running) / self.max_messages_per_s if self.max_messages_per_s else 0.0
         for seq, tokens in sampled:
             if seq.aborted:  # its stream already has its last message
                 continue
@@ -460,7 +472,15 @@ class NativeEngine(ThreadedEngine):
                     break
             if finish is not None and not seq.done:
                 self._drop(seq)
-            outputs.append((seq.stream.put, seq.output(tokens, "".join(texts), finish)))
+            output = seq.output(tokens, "".join(texts), finish)
+            if seq.unsent is not None:
+                seq.unsent.merge(output)
+                output = seq.unsent
+            if finish is None and spacing > MIN_SPACING_S and now - seq.sent_at < spacing:
+                seq.unsent = output
+                continue
+            seq.unsent, seq.sent_at = None, now
+            outputs.append((seq.stream.put, output))
         if changes := self.blocks.take_changes():  # the cache's changes since the last step, in its wake-up
             outputs.append((self.events.publish, changes))
         self._post_all(outputs)

@@ -44,6 +44,10 @@ class Sequence:
     """Its speculative proposals (speculation.py); None when it does not speculate."""
     draft: list[int] = field(default_factory=list)
     """Tokens proposed after its last one in the step being run, checked when the step is read."""
+    unsent: RequestOutput | None = None
+    """Its tokens emitted since its last message, held until the next (engine._emit's pacing)."""
+    sent_at: float = 0.0
+    """Monotonic time of its last message; 0 before the first."""
 
     def __post_init__(self) -> None:
         if self.request.prompt_logprobs is not None:
