@@ -24,6 +24,8 @@ class BlockTable:
 
     blocks: list[int] = field(default_factory=list)
     hashes: list[bytes] = field(default_factory=list)
+    released: int = 0
+    """Times its blocks were given back: a table of the same length may hold other blocks since."""
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -106,6 +108,7 @@ class BlockManager:
                 self._free[block] = None
         table.blocks.clear()
         table.hashes.clear()
+        table.released += 1
 
     def take_changes(self) -> list[tuple]:
         changes, self._changes = self._changes, []
