@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -41,7 +40,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from structured import machine, random_weights  # noqa: E402
+from structured import machine, model_folder, random_weights  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
 KNOWLEDGE = {
@@ -100,11 +99,7 @@ def main() -> int:
     parser.add_argument("--random-weights", action="store_true",
                         help="the model's config and tokenizer with new weights (a GPU host the weights cannot reach)")
     options = parser.parse_args()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from worker.models import locate_model
-
-    folder = Path(options.model) if Path(options.model).is_dir() else locate_model(
-        options.model, os.environ.get("CYLLM_CACHE_DIR", str(Path.home() / ".cache" / "cy-llm" / "models")))
+    folder = model_folder(options.model)
     batches = [int(b) for b in options.batches.split(",")]
     with tempfile.TemporaryDirectory() as work:
         if options.random_weights:

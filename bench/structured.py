@@ -64,11 +64,7 @@ def main() -> int:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--random-weights", action="store_true")
     options = parser.parse_args()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from worker.models import locate_model
-
-    folder = Path(options.model) if Path(options.model).is_dir() else locate_model(
-        options.model, os.environ.get("CYLLM_CACHE_DIR", str(Path.home() / ".cache" / "cy-llm" / "models")))
+    folder = model_folder(options.model)
     batches = [int(b) for b in options.batches.split(",")]
     with tempfile.TemporaryDirectory() as work:
         if options.random_weights:
@@ -163,6 +159,15 @@ def valid(text: str, schema: dict) -> bool:
     except (ValueError, jsonschema.ValidationError):
         return False
     return True
+
+
+def model_folder(model: str) -> Path:
+    """A model folder, or the embedded model's name prepared under CYLLM_CACHE_DIR (offline)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from worker.models import locate_model
+
+    return Path(model) if Path(model).is_dir() else locate_model(
+        model, os.environ.get("CYLLM_CACHE_DIR", str(Path.home() / ".cache" / "cy-llm" / "models")))
 
 
 def random_weights(folder: Path, work: Path, device: str) -> Path:
