@@ -25,6 +25,7 @@ from worker.engines.detokenizer import OutputText
 from worker.engines.native import kernels as cpu_kernels
 from worker.engines.cache_events import CacheEvents
 from worker.engines.native.block_manager import BlockManager, zeros
+from worker.engines.native.messages import Messages
 from worker.engines.native.model import load_model
 from worker.engines.native.pacer import PrefillPacer
 from worker.engines.native.sequence import Sequence, Step, batch_of
@@ -39,7 +40,6 @@ from worker.telemetry import get_logger
 
 log = get_logger(__name__)
 GIB = 1 << 30
-MIN_SPACING_S = 0.0005  # messages closer than this are not held back (the servicer's threshold too)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ARGS = {"block_size": 16, "max_num_batched_tokens": 2048, "max_num_seqs": 64, "gpu_memory_utilization": 0.9,
         "kv_cache_dtype": "auto", "enable_prefix_caching": True, "enforce_eager": False, "cpu_threads": 0,
@@ -78,7 +78,7 @@ class NativeEngine(ThreadedEngine):
         self.prefix_queried_tokens = self.prefix_hit_tokens = 0
         self._step_flops = 0.0  # of the step being scheduled, priced by the PrefillPacer
         self.row_context = 0.0  # prompt chunks that run as decode rows (batch_of), set at load
-        self.max_messages_per_s = config.server.max_messages_per_s
+        self.messages = Messages(config.server.max_messages_per_s)
 
     def _load(self) -> None:
         engine = self.config.engine
@@ -438,49 +438,20 @@ class NativeEngine(ThreadedEngine):
         """A new token of `seq`; False when it ends the sequence (which gives its blocks back)."""
         params = seq.request.sampling
         seq.append(token)
-        if self._at_limit(seq) or seq.text.is_stop_token(token, params.stop_token_ids, params.ignore_eos):
+        if (seq.at_limit(self.info.max_model_len)
+                or seq.text.is_stop_token(token, params.stop_token_ids, params.ignore_eos)):
             self._drop(seq)
             return False
         return True
 
-    def _at_limit(self, seq: Sequence) -> bool:
-        return len(seq.output_ids) >= seq.request.sampling.max_tokens or len(seq.tokens) >= self.info.max_model_len
-
     def _emit(self) -> None:
-        """Text and messages of the tokens last read. A sequence's first and last tokens go out at
-        once; the others once `running / server.max_messages_per_s` has passed since its last
-        message, riding together, as the servicer spaces gRPC streams. Paced here, at the source,
-        every consumer wakes that much less, and they share the GIL with this thread (a tiny model
-        on the 2-core CPU, where the host is what a step costs: batch 256, 5.5 ms a step against
-        4.3 paced; batch 64, 1.25 against 1.11)."""
-        outputs = []
+        """Text and messages of the tokens last read (messages.py paces them)."""
         sampled, self._pending = self._pending, []
-        now = time.monotonic()
-        spacing = len(self._running) / self.max_messages_per_s if self.max_messages_per_s else 0.0
-        for seq, tokens in sampled:
-            if seq.aborted:  # its stream already has its last message
-                continue
-            params = seq.request.sampling
-            texts, finish = [], None
-            for count, token in enumerate(tokens, 1):
-                # Emitted before the sequence samples again, so its state is still that of these tokens.
-                text, finish = seq.text.add(token, params.stop_token_ids, params.ignore_eos,
-                                            count == len(tokens) and self._at_limit(seq))
-                texts.append(text)
-                if finish is not None:  # a stop string: the tokens after it are not sent
-                    tokens = tokens[:count]
-                    break
-            if finish is not None and not seq.done:
+        sent, stopped = self.messages.of(sampled, len(self._running), self.info.max_model_len)
+        for seq in stopped:
+            if not seq.done:
                 self._drop(seq)
-            output = seq.output(tokens, "".join(texts), finish)
-            if seq.unsent is not None:
-                seq.unsent.merge(output)
-                output = seq.unsent
-            if finish is None and spacing > MIN_SPACING_S and now - seq.sent_at < spacing:
-                seq.unsent = output
-                continue
-            seq.unsent, seq.sent_at = None, now
-            outputs.append((seq.stream.put, output))
+        outputs = [(stream.put, output) for stream, output in sent]
         if changes := self.blocks.take_changes():  # the cache's changes since the last step, in its wake-up
             outputs.append((self.events.publish, changes))
         self._post_all(outputs)

@@ -65,6 +65,10 @@ class Sequence:
         if self.matcher is not None and not self.matcher.accept_token(token):
             log.error("grammar refused a token its mask allowed", request_id=self.request.request_id, token=token)
 
+    def at_limit(self, max_model_len: int) -> bool:
+        """Its tokens reached max_tokens or the model's context."""
+        return len(self.output_ids) >= self.request.sampling.max_tokens or len(self.tokens) >= max_model_len
+
     def output(self, tokens: list[int], text: str, finish: str | None) -> RequestOutput:
         """The message for the tokens of the step read last; the first carries the prompt's logprobs."""
         output = RequestOutput(text=text, token_ids=tokens, finish_reason=finish,
