@@ -1,27 +1,32 @@
-"""Tenants sharing one worker (8 slots), FCFS against VTC (and VTC with headroom) in one run.
+"""Tenants sharing one worker (8 slots), FCFS against VTC (and VTC with headroom), in one run.
 
 The synthetic engine as a batched one (a token for every running request each 10 ms step) by
-default; --engine native runs the embedded model (SmolLM2-135M, ~25 ms steps) with longer runs.
-One tenant floods: ten times the others' clients, each asking for 4x their tokens (64 against
-16). Two scenarios, with two and with four tenants:
+default; --engine native runs the embedded model (SmolLM2-135M, ~20 ms steps), speculation off:
+its gain depends on how long each stream has been repeating itself, so it would weigh the
+policies' request mixes rather than the scheduler. One tenant floods: ten times the others'
+clients, each asking for 4x their tokens (64 against 16). Two scenarios, with two and with four
+tenants:
 
 - backlogged: every tenant keeps more requests outstanding than its fair share of slots (closed
   loop: the flood 80 clients, each light tenant 8). Reported: each tenant's share of the tokens
-  generated after a warm-up, and the total tokens/s.
+  generated after a warm-up, the total tokens/s, and requests finished per 1,000 tokens: a
+  request costs its prompt and a step with its slot empty between one request and the next,
+  which the fair mix, of 2-4x FCFS's requests per token, pays more often.
 - latency: each light tenant sends Poisson arrivals well below its share (8 tokens each; synthetic
   1/s, native 0.5/s) while the flood stays backlogged; the same arrivals also run with the pool to
   the light tenants alone. Reported: the light tenants' TTFT p50/p99 (all light tenants' requests
-  together) with the flood and alone.
+  of every round together) with the flood and alone.
 
 Policies: fcfs, vtc, and vtc+headroom (tenants.headroom_slots=3: the last three free slots go only
 to tenants holding less than their share, since admission cannot preempt a running request; three,
 so that three light tenants' requests in flight at once, as Poisson arrivals sometimes are, still
-start at once).
+start at once). Every round runs each policy once, in turn, so a shared machine's slow spell falls
+on all of them; throughput is the median over rounds of each round's ratio to FCFS.
 
 Tenants are named in PredictRequest.metadata (x-gateway-inference-fairness-id), as the sidecar
 forwards them. Writes bench/results/fairness.json and fairness.png (fairness-native.* for native).
 
-    python bench/fairness.py [--engine synthetic|native] [--seconds 40] [--seed 3]
+    python bench/fairness.py [--engine synthetic|native] [--seconds S] [--rounds N] [--seed 3]
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import asyncio
 import dataclasses
 import json
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -59,11 +65,13 @@ class Workload:
     latency_rate: float
     """Each light tenant's arrivals a second in the latency scenario."""
     seconds: float
+    rounds: int
 
 
 WORKLOADS = {
-    "synthetic": Workload(("--engine", "synthetic", "--set", "engine.args.step_ms=10"), 64, 16, 8, 1.0, 40.0),
-    "native": Workload(("--engine", "native", "--set", "engine.args.cpu_threads=2"), 64, 16, 8, 0.5, 60.0),
+    "synthetic": Workload(("--engine", "synthetic", "--set", "engine.args.step_ms=10"), 64, 16, 8, 1.0, 40.0, 1),
+    "native": Workload(("--engine", "native", "--set", "engine.args.cpu_threads=2", "--set", "engine.args.speculation=off"),
+                       64, 16, 8, 0.5, 30.0, 3),
 }
 POLICIES = {"fcfs": ("--set", "tenants.policy=fcfs"), "vtc": ("--set", "tenants.policy=vtc"),
             "vtc+headroom": ("--set", "tenants.policy=vtc", "--set", "tenants.headroom_slots=3")}
@@ -87,7 +95,7 @@ class Run:
                                     sampling=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True,
                                                                temperature=0.0),
                                     return_token_ids=True)
-        entry = [tenant, time.perf_counter(), None, []]  # tenant, sent, first token, [(at, tokens)]
+        entry = [tenant, time.perf_counter(), None, [], max_tokens]  # tenant, sent, first token, [(at, tokens)], asked
         self.records.append(entry)  # now, so a stream cut at the run's end still counts what it got
         async for reply in stub.StreamPredict(request):
             if reply.token_ids:
@@ -145,52 +153,70 @@ async def drive(run: Run, tenants: list[str], scenario: str, workload: Workload,
 
 def report(run: Run, started: float, seconds: float, tenants: list[str]) -> dict:
     window = (started + WARMUP_S, started + seconds)
-    tokens = {t: sum(n for tenant, _, _, ts in run.records if tenant == t for at, n in ts if window[0] <= at < window[1])
+    tokens = {t: sum(n for tenant, _, _, ts, _ in run.records if tenant == t for at, n in ts if window[0] <= at < window[1])
               for t in tenants}
     total = sum(tokens.values())
-    ttft = {t: [(f - s) * 1000 for tenant, s, f, _ in run.records if tenant == t and f is not None and s >= window[0]]
+    # A request finished in the window: its stream got all its tokens before the run's end cut it.
+    finished = sum(1 for _, _, _, ts, asked in run.records
+                   if ts and window[0] <= ts[-1][0] < window[1] and sum(n for _, n in ts) == asked)
+    ttft = {t: [(f - s) * 1000 for tenant, s, f, _, _ in run.records if tenant == t and f is not None and s >= window[0]]
             for t in tenants}
-    lights = [ms for t, v in ttft.items() if t != "flood" for ms in v]
     return {"tokens_per_s": total / (window[1] - window[0]),
             "share": {t: tokens[t] / total if total else 0.0 for t in tenants},
-            "ttft_ms": {t: {"p50": percentile(v, 50), "p99": percentile(v, 99), "n": len(v)} for t, v in ttft.items() if v},
-            # Every light tenant's requests together: p99 wants more samples than one tenant sends.
-            "lights_ttft_ms": {"p50": percentile(lights, 50), "p99": percentile(lights, 99), "n": len(lights)}
-            if lights else None}
+            "requests_per_1k_tokens": 1000 * finished / total if total else None,
+            "ttft_samples_ms": ttft}
 
 
-def measure(policy: str, count: int, scenario: str, workload: Workload, seed: int, with_flood: bool = True) -> dict:
+def measure(policy: str, count: int, scenario: str, workload: Workload, seed: int, round_: int,
+            with_flood: bool = True) -> dict:
     tenants = ["flood"] + [f"light{i}" for i in range(1, count)]
     run = Run(policy, workload)
     try:
-        started = asyncio.run(drive(run, tenants, scenario, workload, seed, with_flood))
+        started = asyncio.run(drive(run, tenants, scenario, workload, seed + 1000 * round_, with_flood))
     finally:
         run.stop()
-    row = {"policy": policy, "tenants": count, "scenario": scenario, "flood": with_flood,
+    row = {"policy": policy, "tenants": count, "scenario": scenario, "flood": with_flood, "round": round_,
            **report(run, started, workload.seconds, tenants if with_flood else tenants[1:])}
-    print(json.dumps(row), flush=True)
+    print(json.dumps({k: v for k, v in row.items() if k != "ttft_samples_ms"}), flush=True)
     return row
+
+
+def ttft(rows: list[dict]) -> dict:
+    """TTFT p50/p99 per tenant and of every light tenant together, over all rounds' samples."""
+    samples: dict[str, list[float]] = {}
+    for row in rows:
+        for tenant, values in row["ttft_samples_ms"].items():
+            samples.setdefault(tenant, []).extend(values)
+    lights = [ms for t, v in samples.items() if t != "flood" for ms in v]
+    stats = lambda v: {"p50": percentile(v, 50), "p99": percentile(v, 99), "n": len(v)}  # noqa: E731
+    return {"per_tenant": {t: stats(v) for t, v in samples.items() if v}, "lights": stats(lights) if lights else None}
 
 
 def summary(rows: list[dict]) -> dict:
     out = {}
     for count in sorted({r["tenants"] for r in rows}):
-        pick = {(r["policy"], r["scenario"], r["flood"]): r for r in rows if r["tenants"] == count}
-        fcfs, equal = pick[("fcfs", "backlogged", True)], 1 / count
-        alone = pick[("vtc", "latency", False)]
-        lights = [t for t in alone["ttft_ms"] if t != "flood"]
-        lights_alone = alone["lights_ttft_ms"]
+        pick = lambda policy, scenario, flood=True: [  # noqa: E731
+            r for r in rows if (r["tenants"], r["policy"], r["scenario"], r["flood"]) == (count, policy, scenario, flood)]
+        fcfs, equal = {r["round"]: r for r in pick("fcfs", "backlogged")}, 1 / count
+        alone = ttft(pick("vtc", "latency", False))
         one = {}
         for policy in ("fcfs", "vtc", "vtc+headroom"):
-            backlogged, shared = pick[(policy, "backlogged", True)], pick[(policy, "latency", True)]
+            backlogged, shared = pick(policy, "backlogged"), ttft(pick(policy, "latency"))
+            light_names = [t for t in alone["per_tenant"] if t != "flood"]
             one[policy] = {
-                "max_share_error": max(abs(s - equal) / equal for s in backlogged["share"].values()),
-                "throughput_vs_fcfs": backlogged["tokens_per_s"] / fcfs["tokens_per_s"],
-                # None: a light tenant never got a first token before the run ended (starved).
-                "light_ttft_p99_vs_alone": None if any(t not in shared["ttft_ms"] for t in lights) else
-                shared["lights_ttft_ms"]["p99"] / lights_alone["p99"],
-                "light_ttft_p99_ms": None if shared["lights_ttft_ms"] is None else shared["lights_ttft_ms"]["p99"],
-                "light_ttft_p99_alone_ms": lights_alone["p99"],
+                "max_share_error": statistics.median(max(abs(s - equal) / equal for s in r["share"].values())
+                                                     for r in backlogged),
+                "throughput_vs_fcfs": statistics.median(r["tokens_per_s"] / fcfs[r["round"]]["tokens_per_s"]
+                                                        for r in backlogged),
+                "throughput_vs_fcfs_rounds": [r["tokens_per_s"] / fcfs[r["round"]]["tokens_per_s"] for r in backlogged],
+                "tokens_per_s": statistics.median(r["tokens_per_s"] for r in backlogged),
+                "requests_per_1k_tokens": statistics.median(r["requests_per_1k_tokens"] for r in backlogged),
+                "ttft_ms_backlogged": ttft(backlogged)["per_tenant"],
+                # None: a light tenant never got a first token (starved).
+                "light_ttft_p99_vs_alone": None if any(t not in shared["per_tenant"] for t in light_names) else
+                shared["lights"]["p99"] / alone["lights"]["p99"],
+                "light_ttft_ms": shared["lights"],
+                "light_ttft_ms_alone": alone["lights"],
             }
         out[f"{count}_tenants"] = one
     return out
@@ -202,27 +228,30 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = result["rows"]
-    counts = sorted({r["tenants"] for r in rows})
+    summary = result["summary"]
+    counts = sorted(int(key.split("_")[0]) for key in summary)
     fig, axes = plt.subplots(len(counts), 2, figsize=(11, 4 * len(counts)), squeeze=False)
-    for (shares, ttft), count in zip(axes, counts):
-        backlogged = [r for r in rows if r["tenants"] == count and r["scenario"] == "backlogged"]
-        for offset, row in zip((-0.27, 0, 0.27), backlogged):
-            names = list(row["share"])
-            shares.bar([i + offset for i in range(len(names))], list(row["share"].values()), 0.26, label=row["policy"])
+    for (shares, latency), count in zip(axes, counts):
+        backlogged = [r for r in result["rows"] if r["tenants"] == count and r["scenario"] == "backlogged"]
+        for offset, policy in zip((-0.27, 0, 0.27), POLICIES):
+            runs = [r for r in backlogged if r["policy"] == policy]
+            names = list(runs[0]["share"])
+            means = [statistics.mean(r["share"][n] for r in runs) for n in names]
+            ratio = summary[f"{count}_tenants"][policy]["throughput_vs_fcfs"]
+            shares.bar([i + offset for i in range(len(names))], means, 0.26, label=f"{policy} ({ratio:.2f}x FCFS tok/s)")
             shares.set_xticks(range(len(names)), names)
         shares.axhline(1 / count, color="k", lw=0.8, ls="--")
         shares.set_ylabel("share of tokens generated (backlogged)")
-        shares.set_title(f"{count} tenants: token shares", fontsize=9)
-        shares.legend()
-        latency = [r for r in rows if r["tenants"] == count and r["scenario"] == "latency"]
-        labels = [f"{r['policy']}\n{'with flood' if r['flood'] else 'alone'}" for r in latency]
-        # A light tenant with no first token in the whole run (starved) is drawn at the run's length.
-        starved = result["workload"]["seconds"] * 1000
-        ttft.bar(labels, [r["lights_ttft_ms"]["p99"] if r["lights_ttft_ms"] else starved for r in latency])
-        ttft.set_ylabel("light tenants' TTFT p99, ms (starved: run length)")
-        ttft.set_yscale("log")
-        ttft.set_title(f"{count} tenants: light tenants' TTFT", fontsize=9)
+        shares.set_title(f"{count} tenants: token shares, mean of {result['workload']['rounds']} rounds", fontsize=9)
+        shares.legend(fontsize=8)
+        one = summary[f"{count}_tenants"]
+        starved = result["workload"]["seconds"] * 1000  # a light tenant with no first token: the run's length
+        labels = [*(f"{p}\nwith flood" for p in POLICIES), "alone"]
+        values = [one[p]["light_ttft_ms"]["p99"] if one[p]["light_ttft_ms"] else starved for p in POLICIES]
+        latency.bar(labels, values + [one["vtc"]["light_ttft_ms_alone"]["p99"]])
+        latency.set_ylabel("light tenants' TTFT p99, ms (starved: run length)")
+        latency.set_yscale("log")
+        latency.set_title(f"{count} tenants: light tenants' TTFT", fontsize=9)
     fig.suptitle(result["machine"]["cpu"], fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -231,20 +260,27 @@ def plot(result: dict, path: Path) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--engine", choices=sorted(WORKLOADS), default="synthetic")
-    parser.add_argument("--seconds", type=float, help="each run's length (synthetic 40, native 60)")
+    parser.add_argument("--seconds", type=float, help="each run's length (synthetic 40, native 30)")
+    parser.add_argument("--rounds", type=int, help="rounds of every policy (synthetic 1, native 3)")
     parser.add_argument("--seed", type=int, default=3)
     options = parser.parse_args()
     workload = WORKLOADS[options.engine]
     if options.seconds:
         workload = dataclasses.replace(workload, seconds=options.seconds)
+    if options.rounds:
+        workload = dataclasses.replace(workload, rounds=options.rounds)
     rows = []
     for count in (2, 4):
-        for scenario in ("backlogged", "latency"):
-            for policy in POLICIES:
-                rows.append(measure(policy, count, scenario, workload, options.seed))
-        rows.append(measure("vtc", count, "latency", workload, options.seed, with_flood=False))
+        for round_ in range(workload.rounds):
+            for scenario in ("backlogged", "latency"):
+                for policy in POLICIES:
+                    rows.append(measure(policy, count, scenario, workload, options.seed, round_))
+            rows.append(measure("vtc", count, "latency", workload, options.seed, round_, with_flood=False))
+    # Each run's TTFTs as percentiles; the summary pools every round's samples.
+    runs = [{**{k: v for k, v in row.items() if k != "ttft_samples_ms"}, "ttft_ms": ttft([row])["per_tenant"]}
+            for row in rows]
     result = {"benchmark": "fairness", "machine": machine("cpu"), "when": time.strftime("%Y-%m-%d %H:%M"),
-              "options": vars(options), "workload": dataclasses.asdict(workload), "rows": rows, "summary": summary(rows)}
+              "options": vars(options), "workload": dataclasses.asdict(workload), "rows": runs, "summary": summary(rows)}
     print(json.dumps(result["summary"], indent=1))
     RESULTS.mkdir(parents=True, exist_ok=True)
     name = "fairness" if options.engine == "synthetic" else f"fairness-{options.engine}"
