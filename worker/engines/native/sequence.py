@@ -45,7 +45,7 @@ class Sequence:
     draft: list[int] = field(default_factory=list)
     """Tokens proposed after its last one in the step being run, checked when the step is read."""
     unsent: RequestOutput | None = None
-    """Its tokens emitted since its last message, held until the next (engine._emit's pacing)."""
+    """Its tokens emitted since its last message, held until the next (messages.py paces them)."""
     sent_at: float = 0.0
     """Monotonic time of its last message; 0 before the first."""
 
