@@ -4,11 +4,13 @@ sequences are preempted and recomputed."""
 
 import asyncio
 import shutil
+import time
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from tests.conftest import running_worker, synthetic_request
 from worker.config_loader import load_config
 from worker.deps.hardware import runnable_isas, this_cpu
 from worker.engines.native import kernels
@@ -213,6 +215,34 @@ async def test_messages_are_paced_at_the_source_first_and_last_token_at_once(hf_
         assert paced[-1][2] == "length" and all(finish is None for _, _, finish in paced[:-1])
         assert [t for ids, _, _ in paced for t in ids] == [t for ids, _, _ in plain for t in ids] == tokens[:24]
         assert "".join(text for _, text, _ in paced) == "".join(text for _, text, _ in plain)
+
+
+async def test_a_request_admitted_into_an_ended_row_runs_in_the_next_step(embedded_model):
+    """With every slot taken, a request that ends gives its slot to the next one in the queue, and
+    the engine's next step runs that one: the engine waits (briefly) for the event loop to admit it
+    rather than running a step with its row empty. Each step here is stretched by 30 ms, as a
+    larger model's would be, so the wait's bound (a row's share of the step) is not what decides."""
+    async with running_worker(**{"engine.name": "native", "engine.model": str(embedded_model),
+                                 "engine.dtype": "float32", "resources.max_concurrency": 2}) as (worker, client):
+        engine, steps = worker.engine, []
+        launch = engine._launch
+
+        def recorded(scheduled, *args, **kwargs):
+            steps.append({seq.request.request_id for seq, _ in scheduled})
+            time.sleep(0.03)
+            return launch(scheduled, *args, **kwargs)
+
+        engine._launch = recorded
+        long = asyncio.ensure_future(client.collect(synthetic_request(max_tokens=24, request_id="long")))
+        first = asyncio.ensure_future(client.collect(synthetic_request(max_tokens=4, request_id="first")))
+        while not any("first" in step for step in steps):
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.01)  # "first" admitted and running: "next" waits for its slot
+        assert (await client.load()).running == 2
+        replies = await asyncio.gather(long, first, client.collect(synthetic_request(max_tokens=4, request_id="next")))
+        assert [r[-1].usage.completion_tokens for r in replies] == [24, 4, 4]
+        last = max(i for i, step in enumerate(steps) if "first" in step)
+        assert "next" in steps[last + 1], steps[last:last + 3]
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import time
 import uuid
 from pathlib import Path
@@ -108,6 +109,9 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             stream = self.engine.stream_predict(request if request.sampling.max_tokens else dataclasses.replace(
                 request, sampling=dataclasses.replace(request.sampling, max_tokens=1)))
             self._streams[id(stream)] = stream
+            # The engine holds nothing of a request once it ends: its slot goes to the next one
+            # now, not after the last message is written to a client that may read slowly.
+            stream.on_finish = functools.partial(self.scheduler.release, grant)
             if deadline is not None:
                 timer = asyncio.get_running_loop().call_later(
                     max(0.0, deadline - time.monotonic()), stream.fail,

@@ -49,11 +49,13 @@ class RequestStream:
     transport sends fewer, larger messages instead of queueing one per token.
     """
 
-    __slots__ = ("request_id", "finished", "_pending", "_error", "_ready")
+    __slots__ = ("request_id", "finished", "on_finish", "_pending", "_error", "_ready")
 
     def __init__(self, request_id: str):
         self.request_id = request_id
         self.finished = False
+        self.on_finish: Callable[[], None] | None = None
+        """Called once the engine has put the request's last output: it holds nothing of it now."""
         self._pending: RequestOutput | None = None
         self._error: BaseException | None = None
         self._ready = asyncio.Event()
@@ -61,13 +63,15 @@ class RequestStream:
     def put(self, output: RequestOutput) -> None:
         if self.finished or self._error is not None:
             return
-        if output.finish_reason is not None:
-            self.finished = True
         if self._pending is None:
             self._pending = output
             self._ready.set()
         else:
             self._pending.merge(output)
+        if output.finish_reason is not None:
+            self.finished = True
+            if self.on_finish is not None:
+                self.on_finish()
 
     def fail(self, error: BaseException) -> None:
         """Ends the stream with an error; what was not yet read is dropped."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from abc import abstractmethod
 from typing import Any, Callable
 
@@ -27,6 +28,8 @@ class ThreadedEngine(BaseEngine):
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._dead: BaseException | None = None
+        self._syncs = 0  # markers sent by _take_inbox(sync_s=...); a late one is ignored
+        self._stopping = False
 
     @abstractmethod
     def _load(self) -> None:
@@ -59,20 +62,39 @@ class ThreadedEngine(BaseEngine):
     def abort(self, stream: RequestStream) -> None:
         self._inbox.put(("abort", stream))
 
-    def _take_inbox(self, block: bool) -> bool:
-        """On the engine thread: applies adds and aborts; False once asked to stop."""
-        while True:
+    def _take_inbox(self, block: bool, sync_s: float = 0.0) -> bool:
+        """On the engine thread: applies adds and aborts; False once asked to stop.
+
+        With `sync_s`, it also waits (at most that long) until the event loop has run what the
+        thread posted before: an output that ended a request gives its slot back there, and the
+        request admitted into it is added before the loop sends the marker. The thread's next
+        step then runs it rather than leaving its row empty for a step.
+        """
+        marker, until = None, time.monotonic() + sync_s
+        if sync_s > 0 and not block and self._loop is not None:
+            self._syncs += 1
+            marker = self._syncs
+            # Two hops: the outputs' callbacks wake the admitted requests' tasks with call_soon,
+            # and this marker's second call_soon runs after them.
+            self._loop.call_soon_threadsafe(self._loop.call_soon, self._inbox.put, ("sync", marker))
+        while not self._stopping:
             try:
-                kind, item = self._inbox.get(block=block)
+                if marker is not None:
+                    kind, item = self._inbox.get(timeout=max(0.0, until - time.monotonic()))
+                else:
+                    kind, item = self._inbox.get(block=block)
             except queue.Empty:
                 return True
             block = False
             if kind == "stop":
-                return False
-            if kind == "add":
+                self._stopping = True
+            elif kind == "add":
                 self._on_add(item)
-            else:
+            elif kind == "abort":
                 self._on_abort(item)
+            elif item == marker:
+                marker = None
+        return False
 
     async def load_model(self) -> ModelInfo:
         self._loop = asyncio.get_running_loop()

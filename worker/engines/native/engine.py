@@ -209,7 +209,8 @@ class NativeEngine(ThreadedEngine):
 
     def _serve(self) -> None:
         step: Step | None = None  # launched, its tokens not read yet
-        while self._take_inbox(block=step is None and not (self._waiting or self._running or self._pending)):
+        sync_s = 0.0  # how long to wait for the requests admitted into rows that just ended
+        while self._take_inbox(block=step is None and not (self._waiting or self._running or self._pending), sync_s=sync_s):
             if step is None:
                 started = time.monotonic()
                 step = self._launch(self._schedule())
@@ -231,8 +232,11 @@ class NativeEngine(ThreadedEngine):
             if step.flops:  # priced: it may have prefilled
                 self.pacer.record(step.flops, self.last_step_at - step.launched_at, prefilled)
             step = ahead
-            if not self.overlap:
-                self._emit()
+            if not self.overlap and self._emit():
+                # An empty row costs the step 1/rows of its tokens: worth a wait of up to that.
+                sync_s = min(0.005, (self.last_step_at - started) / (len(self._running) + 1))
+            else:
+                sync_s = 0.0
         self._emit()
 
     def _open_streams(self) -> list[RequestStream]:
@@ -444,8 +448,8 @@ class NativeEngine(ThreadedEngine):
             return False
         return True
 
-    def _emit(self) -> None:
-        """Text and messages of the tokens last read (messages.py paces them)."""
+    def _emit(self) -> int:
+        """Text and messages of the tokens last read (messages.py paces them); how many of them ended."""
         sampled, self._pending = self._pending, []
         sent, stopped = self.messages.of(sampled, len(self._running), self.info.max_model_len)
         for seq in stopped:
@@ -455,3 +459,4 @@ class NativeEngine(ThreadedEngine):
         if changes := self.blocks.take_changes():  # the cache's changes since the last step, in its wake-up
             outputs.append((self.events.publish, changes))
         self._post_all(outputs)
+        return sum(seq.done and not seq.aborted for seq, _ in sampled)
