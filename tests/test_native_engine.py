@@ -186,6 +186,33 @@ async def test_a_short_prompt_chunk_runs_as_decode_rows_in_the_one_call_decoder(
         await engine.unload_model()
 
 
+async def test_fresh_prompts_read_as_views_or_gathered_give_each_ones_logits(embedded_model):
+    """Prompts with nothing cached attend among their own tokens in one SDPA call per length: read
+    and written as views of the step's rows where that length's prompts lie one after another, and
+    gathered where another lies between them. Either way each prompt's last logits are its own
+    alone (40-token prompts: their positions and slots indexed with numpy, past LONG_CHUNK)."""
+    engine = engine_for(embedded_model, **{"engine.args": "{max_kv_blocks: 16}"})
+    await engine.load_model()
+    try:
+        block_size, model = engine.blocks.block_size, engine.model
+
+        def prompt(length: int, first: int, blocks: list[int]) -> SimpleNamespace:
+            return SimpleNamespace(num_cached=0, tokens=list(range(first, first + length)), draft=[],
+                                   scores_prompt=False, blocks=SimpleNamespace(blocks=blocks))
+
+        a, b, c = prompt(40, 100, [0, 1, 2]), prompt(7, 300, [3]), prompt(40, 500, [4, 5, 6])
+        alone = {id(p): model(batch_of([(p, len(p.tokens))], block_size, engine.device), engine.k_cache,
+                              engine.v_cache)[0] for p in (a, b, c)}
+        for order, views in (([a, c, b], [True, True]), ([a, b, c], [False, True])):
+            batch = batch_of([(p, len(p.tokens)) for p in order], block_size, engine.device)
+            logits = model(batch, engine.k_cache, engine.v_cache)
+            assert [rows is None for *_, rows in batch.fresh] == views
+            for p, row in zip(order, logits):
+                torch.testing.assert_close(row, alone[id(p)], atol=2e-4, rtol=1e-4)
+    finally:
+        await engine.unload_model()
+
+
 async def test_messages_are_paced_at_the_source_first_and_last_token_at_once(hf_reference, embedded_model):
     """server.max_messages_per_s spaces each stream's messages by running streams / the rate (8
     streams at 50 a second: 160 ms, several ~25 ms steps): the first token goes alone and at once,

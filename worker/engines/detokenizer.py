@@ -132,3 +132,21 @@ class OutputText:
         if finish is not None and not self.stops.stopped:
             text += self.stops.add(self.detokenizer.flush()) + self.stops.flush()
         return text, finish
+
+    def add_all(self, tokens: list[int], stop_token_ids: tuple[int, ...], ignore_eos: bool,
+                at_limit: bool) -> tuple[str, str | None, int]:
+        """add() of each token, `at_limit` said of the last: the text, the finish reason and how
+        many of the tokens count (a stop string drops those after it). Only the last can be a stop
+        id or EOS (the engine ends a sequence there), so without stop strings the others go
+        straight to the detokenizer."""
+        texts, start = [], 0
+        if not self.stops.stops:
+            add = self.detokenizer.add
+            texts = [add(token) for token in tokens[:-1]]
+            start = len(tokens) - 1
+        for index in range(start, len(tokens)):
+            text, finish = self.add(tokens[index], stop_token_ids, ignore_eos, at_limit and index == len(tokens) - 1)
+            texts.append(text)
+            if finish is not None:
+                return "".join(texts), finish, index + 1
+        return "".join(texts), None, len(tokens)

@@ -61,18 +61,27 @@ def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, fresh: list[torch.Tensor],
+                      v_cache: torch.Tensor, fresh: list[tuple[int, int, int, torch.Tensor | None]],
                       sequences: list[tuple[int, int, torch.Tensor | None, torch.Tensor | None]],
                       paged: tuple | None = None, block_size: int = 0) -> torch.Tensor:
-    """q (T, H, D), k and v (T, kv_heads, D) of the packed new tokens. `fresh`: (n, L) rows of T of
-    sequences with nothing cached before this step, which attend causally among their own tokens,
-    one SDPA call for each length. `sequences`: (offset in T, query_len, context slots, causal
+    """q (T, H, D), k and v (T, kv_heads, D) of the packed new tokens. `fresh`: (start, n, L, rows)
+    of sequences with nothing cached before this step, which attend causally among their own tokens,
+    one SDPA call for each length (rows None: they lie one after another, read and written as views:
+    the gathers and the scatter were 8 of a 109 ms 32k-token prefill on an H100, Llama-1B shape). `sequences`: (offset in T, query_len, context slots, causal
     mask) of those with cached tokens before; `paged` (CUDA): the same as paged_prefill's meta, all
     of them in one kernel call. Returns (T, H, D); other rows are left unset."""
     out = torch.empty_like(q)
-    for rows in fresh:  # rows (n, L)
-        qs, ks, vs = (x[rows].transpose(1, 2) for x in (q, k, v))  # (n, heads, L, D)
-        out[rows] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True).transpose(1, 2)
+    for start, count, length, rows in fresh:
+        span = slice(start, start + count * length)
+        if rows is None:
+            qs, ks, vs = (x[span].view(count, length, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))
+        else:
+            qs, ks, vs = (x[rows].transpose(1, 2) for x in (q, k, v))  # (n, heads, L, D)
+        attended = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True).transpose(1, 2)
+        if rows is None:
+            out[span] = attended.reshape(count * length, *q.shape[1:])
+        else:
+            out[rows] = attended
     if paged is not None:
         paged_prefill(q, k_cache, v_cache, out, paged, block_size)
         return out

@@ -308,9 +308,9 @@ class NativeEngine(ThreadedEngine):
         return scheduled
 
     def _preempt(self, seq: Sequence) -> None:
-        if seq.unsent is not None:  # it makes no tokens until it runs again
-            self._post(seq.stream.put, seq.unsent)
-            seq.unsent = None
+        if seq.outbox.ids:  # it makes no tokens until it runs again
+            self.messages.read(seq, self.info.max_model_len)
+            self._post(seq.stream.put, self.messages.take(seq, None, time.monotonic()))
         self.blocks.release(seq.blocks)
         seq.num_cached = 0
         self._running.remove(seq)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 from worker.engines.base import RequestStream
-from worker.engines.native.sequence import Sequence
+from worker.engines.native.sequence import Outbox, Sequence
 from worker.request import RequestOutput
 
 MIN_SPACING_S = 0.0005
@@ -27,32 +27,52 @@ class Messages:
     def of(self, sampled: list[tuple[Sequence, list[int]]], running: int,
            max_model_len: int) -> tuple[list[tuple[RequestStream, RequestOutput]], list[Sequence]]:
         """(stream, message) to send for the tokens just read, and the sequences a stop string
-        ended (the engine drops them)."""
+        ended (the engine drops them). A held sequence's tokens become text when its message goes,
+        in one pass (at batch 256 this thread's work a token is what a step costs), unless it has
+        stop strings, which must be found as soon as they appear."""
         sent, stopped = [], []
         now = time.monotonic()
         spacing = running / self.max_messages_per_s if self.max_messages_per_s else 0.0
+        paced = spacing > MIN_SPACING_S
         for seq, tokens in sampled:
             if seq.aborted:  # its stream already has its last message
                 continue
-            params = seq.request.sampling
-            texts, finish = [], None
-            for count, token in enumerate(tokens, 1):
-                # Before the sequence samples again, so its state is still that of these tokens.
-                text, finish = seq.text.add(token, params.stop_token_ids, params.ignore_eos,
-                                            count == len(tokens) and seq.at_limit(max_model_len))
-                texts.append(text)
-                if finish is not None:  # a stop string: the tokens after it are not sent
-                    tokens = tokens[:count]
-                    break
+            box = seq.outbox
+            box.ids.extend(tokens)
+            if seq.logprob:
+                box.logprobs.append(seq.logprob)
+            held = paced and not seq.done and now - box.sent_at < spacing
+            if held and not seq.request.sampling.stop:
+                continue
+            finish = self.read(seq, max_model_len)
             if finish is not None:
                 stopped.append(seq)
-            output = seq.output(tokens, "".join(texts), finish)
-            if seq.unsent is not None:
-                seq.unsent.merge(output)
-                output = seq.unsent
-            if finish is None and spacing > MIN_SPACING_S and now - seq.sent_at < spacing:
-                seq.unsent = output
+            elif held:
                 continue
-            seq.unsent, seq.sent_at = None, now
-            sent.append((seq.stream, output))
+            sent.append((seq.stream, self.take(seq, finish, now)))
         return sent, stopped
+
+    @staticmethod
+    def read(seq: Sequence, max_model_len: int) -> str | None:
+        """Turns the outbox's unread tokens into text; the finish reason, where one ends the request
+        (the tokens after a stop string are dropped)."""
+        box, params = seq.outbox, seq.request.sampling
+        if box.read == len(box.ids):
+            return None
+        # Before the sequence samples again, so its state is still that of the last token.
+        text, finish, taken = seq.text.add_all(box.ids[box.read:], params.stop_token_ids, params.ignore_eos,
+                                               seq.at_limit(max_model_len))
+        del box.ids[box.read + taken:]
+        box.read = len(box.ids)
+        box.text += text
+        return finish
+
+    @staticmethod
+    def take(seq: Sequence, finish: str | None, now: float) -> RequestOutput:
+        """The outbox as one message, emptied; the first message carries the prompt's logprobs."""
+        box = seq.outbox
+        output = RequestOutput(text=box.text, token_ids=box.ids, finish_reason=finish, logprobs=box.logprobs)
+        if seq.prompt_logprobs is not None and not box.sent_at:
+            output.prompt_logprobs = seq.prompt_logprobs
+        seq.outbox = Outbox(sent_at=now)
+        return output

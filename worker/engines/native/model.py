@@ -100,8 +100,9 @@ class Batch:
     """Sequences with several new tokens after cached ones: (offset in T, query_len, context slots, causal mask);
     on CUDA (offset, query_len, None, None), with paged_prefills for the kernel that takes them all."""
     paged_prefills: tuple | None = None  # paged_prefill.paged_prefill_meta of `prefills`, on CUDA
-    fresh: list[torch.Tensor] | None = None
-    """Sequences whose context is only this step's tokens, grouped by length: (n, L) rows of T each."""
+    fresh: list[tuple[int, int, int, torch.Tensor | None]] | None = None
+    """Sequences whose context is only this step's tokens, grouped by length: (start, n, L, rows): n
+    sequences of L tokens, at rows (n, L) of T, or None where they lie one after another from start."""
     decode_index: torch.Tensor | None = None  # (N,) rows of T that are one-token decodes; None: all of T
     decode_tables: torch.Tensor | None = None  # (N, max_blocks) int32, zero-padded
     decode_lens: torch.Tensor | None = None  # (N,) int32 context lengths
@@ -131,7 +132,9 @@ class Batch:
                         <= (context_len - query_len + torch.arange(query_len, device=device))[:, None])
                 self.prefills.append((start, query_len, slots, mask))
             start += query_len
-        self.fresh = [torch.tensor(starts, device=device)[:, None] + torch.arange(length, device=device)[None, :]
+        self.fresh = [(starts[0], len(starts), length, None) if starts == list(range(starts[0], starts[0] + len(starts) * length, length))
+                      else (0, len(starts), length,
+                            torch.tensor(starts, device=device)[:, None] + torch.arange(length, device=device)[None, :])
                       for length, starts in fresh.items()]
         if paged_rows:
             self.paged_prefills = paged_prefill.paged_prefill_meta(
