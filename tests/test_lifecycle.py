@@ -1,5 +1,6 @@
 """The worker as a process: drain on SIGTERM, one instance per socket, stale sockets, bad paths, Drain RPC."""
 
+import gc
 import os
 import signal
 import socket
@@ -11,7 +12,7 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.conftest import REPO, short_tmpdir
+from tests.conftest import REPO, running_worker, short_tmpdir
 from worker.gen.cyllm.inference.v1 import inference_pb2 as pb
 from worker.gen.cyllm.inference.v1 import inference_pb2_grpc as pb_grpc
 from worker.server import INFERENCE_SERVICE
@@ -206,3 +207,12 @@ def test_a_dead_engine_fails_every_stream_and_exits_non_zero(worker_process):
     assert [results["code"] for results in streams] == [grpc.StatusCode.UNAVAILABLE] * 3
     assert worker.wait(20) == 1
     assert "engine failed; the worker stops" in worker.log()
+
+
+async def test_what_the_worker_loaded_is_frozen_out_of_the_collector_once_ready():
+    """A full garbage collection walks every object the collector tracks; frozen once the model is
+    loaded, what lives as long as the process is not walked again (unfrozen, one took ~200 ms of a
+    batch-256 decode on an H100, every stream stalled)."""
+    gc.unfreeze()
+    async with running_worker() as (worker, _):
+        assert worker.inference.ready and gc.get_freeze_count() > 0

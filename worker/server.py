@@ -4,6 +4,7 @@ socket, health, reflection, drain, and the watchdogs."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import signal
 import time
@@ -182,6 +183,11 @@ class Worker:
             info = await self.engine.load_model()
             self.scheduler.set_budget(self.config.resources.budget_tokens or self.engine.kv_budget_tokens())
             await self.engine.warmup()
+            # What is loaded by now lives as long as the process: frozen, a full collection no
+            # longer walks it. Unfrozen, one took ~200 ms of a batch-256 decode on an H100 (every
+            # stream stalled); frozen, 0-22 ms.
+            gc.collect()
+            gc.freeze()
         except Exception as exc:  # noqa: BLE001 - reported, then the worker exits non-zero
             log.error("model failed to load", error=str(exc), error_type=type(exc).__name__,
                       model=self.config.engine.model, engine=self.config.engine.name)
