@@ -150,7 +150,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 elif not output.text and not response.token_ids and not response.prompt_logprobs:
                     continue
                 await self._send(context, response)
-                if self.max_messages_per_s and not finished:
+                if self.max_messages_per_s and not finished and not self.engine.paces_messages:
                     spacing = len(self._streams) / self.max_messages_per_s
                     if spacing > 0.0005:  # below this a timer costs more than the message it saves
                         await asyncio.sleep(spacing)

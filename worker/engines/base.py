@@ -112,6 +112,7 @@ class BaseEngine(ABC):
     reports_logprobs = True
     renders_tools = True
     speculates = False  # whether requests may ask for speculative decoding (native: unless configured off)
+    paces_messages = False  # whether it spaces each stream's outputs by server.max_messages_per_s itself
 
     def __init__(self, config: Config, on_fatal: Callable[[BaseException], None] | None = None):
         self.config = config

@@ -51,6 +51,7 @@ ARGS = {"block_size": 16, "max_num_batched_tokens": 2048, "max_num_seqs": 64, "g
 class NativeEngine(ThreadedEngine):
     name = "native"
     preset_args = ("block_size", "max_num_batched_tokens", "max_num_seqs", "gpu_memory_utilization")
+    paces_messages = True  # messages.py: a sleep a message in the servicer would only repeat it
     warmup_prompt_tokens = 64  # so the PrefillPacer has a rate before the first long prompt
 
     def __init__(self, config, on_fatal=None):
