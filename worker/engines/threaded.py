@@ -98,6 +98,7 @@ class ThreadedEngine(BaseEngine):
 
     async def load_model(self) -> ModelInfo:
         self._loop = asyncio.get_running_loop()
+        self._stopping = False
         loaded = self._loop.create_future()
         self._thread = threading.Thread(target=self._thread_main, args=(loaded,), name=f"{self.name}-engine", daemon=True)
         self._thread.start()

@@ -66,10 +66,11 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
                       paged: tuple | None = None, block_size: int = 0) -> torch.Tensor:
     """q (T, H, D), k and v (T, kv_heads, D) of the packed new tokens. `fresh`: (start, n, L, rows)
     of sequences with nothing cached before this step, which attend causally among their own tokens,
-    one SDPA call for each length (rows None: they lie one after another, read and written as views:
-    the gathers and the scatter were 8 of a 109 ms 32k-token prefill on an H100, Llama-1B shape). `sequences`: (offset in T, query_len, context slots, causal
-    mask) of those with cached tokens before; `paged` (CUDA): the same as paged_prefill's meta, all
-    of them in one kernel call. Returns (T, H, D); other rows are left unset."""
+    one SDPA call for each length (rows None: they lie one after another, read and written as views;
+    the gathers and the scatter were 8 of a 109 ms 32k-token prefill on an H100, Llama-1B shape).
+    `sequences`: (offset in T, query_len, context slots, causal mask) of those with cached tokens
+    before; `paged` (CUDA): the same as paged_prefill's meta, all of them in one kernel call.
+    Returns (T, H, D); other rows are left unset."""
     out = torch.empty_like(q)
     for start, count, length, rows in fresh:
         span = slice(start, start + count * length)

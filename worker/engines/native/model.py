@@ -132,10 +132,13 @@ class Batch:
                         <= (context_len - query_len + torch.arange(query_len, device=device))[:, None])
                 self.prefills.append((start, query_len, slots, mask))
             start += query_len
-        self.fresh = [(starts[0], len(starts), length, None) if starts == list(range(starts[0], starts[0] + len(starts) * length, length))
-                      else (0, len(starts), length,
-                            torch.tensor(starts, device=device)[:, None] + torch.arange(length, device=device)[None, :])
-                      for length, starts in fresh.items()]
+        self.fresh = []
+        for length, starts in fresh.items():
+            if starts == list(range(starts[0], starts[0] + len(starts) * length, length)):  # one after another
+                self.fresh.append((starts[0], len(starts), length, None))
+            else:
+                rows = torch.tensor(starts, device=device)[:, None] + torch.arange(length, device=device)[None, :]
+                self.fresh.append((0, len(starts), length, rows))
         if paged_rows:
             self.paged_prefills = paged_prefill.paged_prefill_meta(
                 [p[0] for p in self.prefills], [self.query_lens[i] for i in paged_rows],
