@@ -310,8 +310,7 @@ class NativeEngine(ThreadedEngine):
 
     def _preempt(self, seq: Sequence) -> None:
         if seq.outbox.ids:  # it makes no tokens until it runs again
-            self.messages.read(seq, self.info.max_model_len)
-            self._post(seq.stream.put, self.messages.take(seq, None, time.monotonic()))
+            self._post(seq.stream.put, self.messages.flush(seq, self.info.max_model_len))
         self.blocks.release(seq.blocks)
         seq.num_cached = 0
         self._running.remove(seq)
@@ -452,12 +451,12 @@ class NativeEngine(ThreadedEngine):
     def _emit(self) -> int:
         """Text and messages of the tokens last read (messages.py paces them); how many of them ended."""
         sampled, self._pending = self._pending, []
-        sent, stopped = self.messages.of(sampled, len(self._running), self.info.max_model_len)
-        for seq in stopped:
+        sent, ended = self.messages.of(sampled, len(self._running), self.info.max_model_len)
+        for seq in ended:
             if not seq.done:
                 self._drop(seq)
         outputs = [(stream.put, output) for stream, output in sent]
         if changes := self.blocks.take_changes():  # the cache's changes since the last step, in its wake-up
             outputs.append((self.events.publish, changes))
         self._post_all(outputs)
-        return sum(seq.done and not seq.aborted for seq, _ in sampled)
+        return len(ended)

@@ -26,11 +26,11 @@ class Messages:
 
     def of(self, sampled: list[tuple[Sequence, list[int]]], running: int,
            max_model_len: int) -> tuple[list[tuple[RequestStream, RequestOutput]], list[Sequence]]:
-        """(stream, message) to send for the tokens just read, and the sequences a stop string
-        ended (the engine drops them). A held sequence's tokens become text when its message goes,
+        """(stream, message) to send for the tokens just read, and the sequences that ended with
+        them (those a stop string ended are still for the engine to drop). A held sequence's tokens become text when its message goes,
         in one pass (at batch 256 this thread's work a token is what a step costs), unless it has
         stop strings, which must be found as soon as they appear."""
-        sent, stopped = [], []
+        sent, ended = [], []
         now = time.monotonic()
         spacing = running / self.max_messages_per_s if self.max_messages_per_s else 0.0
         paced = spacing > MIN_SPACING_S
@@ -46,11 +46,15 @@ class Messages:
                 continue
             finish = self.read(seq, max_model_len)
             if finish is not None:
-                stopped.append(seq)
+                ended.append(seq)
             elif held:
                 continue
             sent.append((seq.stream, self.take(seq, finish, now)))
-        return sent, stopped
+        return sent, ended
+
+    def flush(self, seq: Sequence, max_model_len: int) -> RequestOutput:
+        """What the outbox holds, as a message now (a preempted sequence makes no tokens for a while)."""
+        return self.take(seq, self.read(seq, max_model_len), time.monotonic())
 
     @staticmethod
     def read(seq: Sequence, max_model_len: int) -> str | None:
