@@ -4,6 +4,7 @@ sequences are preempted and recomputed."""
 
 import asyncio
 import shutil
+import threading
 import time
 from types import SimpleNamespace
 
@@ -251,21 +252,21 @@ async def test_a_request_admitted_into_an_ended_row_runs_in_the_next_step(embedd
     larger model's would be, so the wait's bound (a row's share of the step) is not what decides."""
     async with running_worker(**{"engine.name": "native", "engine.model": str(embedded_model),
                                  "engine.dtype": "float32", "resources.max_concurrency": 2}) as (worker, client):
-        engine, steps = worker.engine, []
+        engine, steps, first_ran = worker.engine, [], threading.Event()
         launch = engine._launch
 
         def recorded(scheduled, *args, **kwargs):
             steps.append({seq.request.request_id for seq, _ in scheduled})
-            time.sleep(0.03)
+            if "first" in steps[-1]:
+                first_ran.set()
+            time.sleep(0.03)  # the larger model's step
             return launch(scheduled, *args, **kwargs)
 
         engine._launch = recorded
         long = asyncio.ensure_future(client.collect(synthetic_request(max_tokens=24, request_id="long")))
         first = asyncio.ensure_future(client.collect(synthetic_request(max_tokens=4, request_id="first")))
-        while not any("first" in step for step in steps):
-            await asyncio.sleep(0.001)
-        await asyncio.sleep(0.01)  # "first" admitted and running: "next" waits for its slot
-        assert (await client.load()).running == 2
+        assert await asyncio.to_thread(first_ran.wait, 30)
+        assert (await client.load()).running == 2  # "next" waits for a slot
         replies = await asyncio.gather(long, first, client.collect(synthetic_request(max_tokens=4, request_id="next")))
         assert [r[-1].usage.completion_tokens for r in replies] == [24, 4, 4]
         last = max(i for i, step in enumerate(steps) if "first" in step)
