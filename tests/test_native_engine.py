@@ -245,6 +245,48 @@ async def test_messages_are_paced_at_the_source_first_and_last_token_at_once(hf_
         assert "".join(text for _, text, _ in paced) == "".join(text for _, text, _ in plain)
 
 
+def test_the_message_rate_holds_for_the_worker_step_by_step(monkeypatch):
+    """Streams that started together are all due together every spacing; the rate holds for the
+    worker as a whole, so the due messages past what the time since the last step allows wait a
+    step and the streams' turns spread out. First and last messages go at once; nothing is lost."""
+    from worker.engines.detokenizer import OutputText
+    from worker.engines.native import messages as module
+    from worker.engines.native.sequence import Outbox
+
+    class Bytes:
+        def decode(self, ids, skip_special_tokens=True):
+            return bytes(ids).decode("utf-8", errors="replace")
+
+    clock = [100.0]
+    monkeypatch.setattr(module.time, "monotonic", lambda: clock[0])
+    streams, rate, step_s, length = 64, 1000.0, 0.01, 40  # spacing: 64 streams / 1000 a second = 64 ms
+
+    def sequence(index):
+        seq = SimpleNamespace(aborted=False, done=False, logprob=None, prompt_logprobs=None, outbox=Outbox(),
+                              stream=index, count=0, request=SimpleNamespace(sampling=SamplingParams(max_tokens=length)),
+                              text=OutputText(Bytes(), [], (), frozenset()))
+        seq.at_limit = lambda: seq.count >= length
+        return seq
+
+    seqs = [sequence(i) for i in range(streams)]
+    messages, per_step, received = module.Messages(rate), [], {i: [] for i in range(streams)}
+    for step in range(length):
+        for seq in seqs:
+            seq.count += 1
+            seq.done = seq.count == length
+        sent, ended = messages.of([(seq, [ord("a") + step % 26]) for seq in seqs], streams)
+        per_step.append(len(sent))
+        for stream, output in sent:
+            received[stream].extend(output.token_ids)
+        clock[0] += step_s
+    assert per_step[0] == streams and per_step[-1] == streams, "first and last tokens at once"
+    # Between them: rate x step (10) and at most BURST_S of the rate (2) more a step.
+    assert max(per_step[1:-1]) <= rate * step_s + rate * module.BURST_S, per_step
+    assert sum(per_step[1:-1]) >= streams, "every stream had a message between its first and last"
+    assert all(len(tokens) == length for tokens in received.values())
+    assert len(ended) == streams
+
+
 async def test_a_request_admitted_into_an_ended_row_runs_in_the_next_step(embedded_model):
     """With every slot taken, a request that ends gives its slot to the next one in the queue, and
     the engine's next step runs that one: the engine waits (briefly) for the event loop to admit it

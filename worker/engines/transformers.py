@@ -19,7 +19,7 @@ from worker.engines.base import ModelInfo, RequestStream
 from worker.engines.detokenizer import OutputText
 from worker.engines.prompt import encode_prompt
 from worker.engines.logprobs import of_prompt
-from worker.engines.sampler import choose, make_generator
+from worker.engines.sampler import Rows, choose, make_generator
 from worker.engines.threaded import ThreadedEngine
 from worker.errors import DeviceOutOfMemory, EngineRequestError
 from worker.models import locate_model
@@ -171,7 +171,7 @@ class TransformersEngine(ThreadedEngine):
                     prompt_logprobs = [TokenLogprob(ids[0], None),
                                        *of_prompt(out.logits[0, :-1], ids[1:], seq.request.prompt_logprobs)]
                 seq.cache = out.past_key_values
-                tokens, logprobs = choose(out.logits[:, -1, :], [seq], self.grammars)
+                tokens, logprobs = choose(out.logits[:, -1, :], Rows([seq]), self.grammars)
                 token = tokens.item()
         except torch.OutOfMemoryError:
             seq.cache = None

@@ -196,12 +196,14 @@ class NativeEngine(ThreadedEngine):
     def stream_predict(self, request: GenerationRequest) -> RequestStream:
         if (refused := self._refused(request.request_id)) is not None:
             return refused
-        stream = RequestStream(request.request_id)
+        stream, params = RequestStream(request.request_id), request.sampling
         seq = Sequence(
-            stream, request, make_generator(request.sampling, self.device),
-            OutputText(self.tokenizer, request.prompt_token_ids, request.sampling.stop, self.eos_ids),
+            stream, request, make_generator(params, self.device),
+            OutputText(self.tokenizer, request.prompt_token_ids, params.stop, self.eos_ids),
             list(request.prompt_token_ids),
-            matcher=self.grammars.matcher(request.grammar) if request.grammar is not None else None)
+            matcher=self.grammars.matcher(request.grammar) if request.grammar is not None else None,
+            end=min(len(request.prompt_token_ids) + params.max_tokens, self.info.max_model_len),
+            stop_ids=frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids))
         seq.proposer = self.speculator.proposer_for(request, seq.plain)
         self._inbox.put(("add", seq))
         return stream
@@ -281,7 +283,7 @@ class NativeEngine(ThreadedEngine):
                 scheduled.append((seq, 1))
                 budget -= 1
         if self.speculates:
-            budget -= self.speculator.propose(scheduled, self.blocks, self.info.max_model_len, self.overlap)
+            budget -= self.speculator.propose(scheduled, self.blocks, self.overlap)
         if self._waiting and len(self._running) < int(self.args["max_num_seqs"]):  # a chunk may join: price the decodes
             self._step_flops = sum(self.pacer.cost(count, seq.num_cached) for seq, count in scheduled)
         while self._waiting and budget > 0 and len(self._running) < int(self.args["max_num_seqs"]):
@@ -310,7 +312,7 @@ class NativeEngine(ThreadedEngine):
 
     def _preempt(self, seq: Sequence) -> None:
         if seq.outbox.ids:  # it makes no tokens until it runs again
-            self._post(seq.stream.put, self.messages.flush(seq, self.info.max_model_len))
+            self._post(seq.stream.put, self.messages.flush(seq))
         self.blocks.release(seq.blocks)
         seq.num_cached = 0
         self._running.remove(seq)
@@ -339,8 +341,12 @@ class NativeEngine(ThreadedEngine):
         still running whose sampled tokens are this decode step's inputs (see _launch_ahead)."""
         if not scheduled:
             return Step([])
-        logits = (self.graphs.decode([seq for seq, _ in scheduled], self.blocks.block_size, after.tokens)
-                  if after else self._forward(scheduled))
+        if after is not None:  # `after`'s rows, one decode each, every one ready: sampled as they were
+            step = Step(scheduled, ready=after.ready, rows=after.rows,
+                        logits=self.graphs.decode(after.ready, self.blocks.block_size, after.tokens))
+            # A row that needs its last token on the host first is sampled once `after` is read.
+            return step.sample(self.grammars) if step.rows.plain else step
+        logits = self._forward(scheduled)
         if logits is None:  # out of memory; the step's sequences have failed
             return Step([])
         # A sequence scoring its prompt, or checking proposals, has a row per token of its chunk (see
@@ -356,16 +362,14 @@ class NativeEngine(ThreadedEngine):
                                         for row in range(end - count, end)]]
         # Rows that end their sequence's known tokens get a next one (a chunk mid-prompt does not).
         at = [i for i, (seq, count) in enumerate(scheduled)
-              if not seq.draft and (after or seq.num_cached + count == len(seq.tokens))]
+              if not seq.draft and seq.num_cached + count == len(seq.tokens)]
         if not at:
             return step
         step.ready = [scheduled[i][0] for i in at]
         if len(at) < ends[-1]:  # else every row: no index tensor to build and copy over
             logits = logits[[ends[i] - 1 for i in at]]
         step.logits = logits
-        ready = step.ready
-        # Launched ahead, a row that needs its last token on the host is sampled once `after` is read.
-        return step if after and not all(seq.plain for seq in ready) else step.sample(self.grammars)
+        return step.sample(self.grammars)
 
     def _launch_ahead(self, step: Step) -> Step | None:
         """The decode step after `step`, launched before `step`'s tokens reach the host: they go
@@ -382,15 +386,13 @@ class NativeEngine(ThreadedEngine):
                 or any(seq.proposer and seq.proposer.active for seq in seqs) and self.speculator.schedules_next()):
             return None
         # One pass (at batch 256 this thread is the bottleneck): the cache must hold each sequence's
-        # known tokens and the pending one.
-        last_position, block_size = self.info.max_model_len - 1, self.blocks.block_size
-        growing = []
+        # known tokens and the pending one, which must not be its last.
+        block_size, growing = self.blocks.block_size, []
         for seq in seqs:
-            params, known = seq.request.sampling, len(seq.tokens)
-            if (seq.done or len(seq.output_ids) + 1 >= params.max_tokens
-                    or known >= last_position):
+            known = len(seq.tokens)
+            if seq.done or known + 1 >= seq.end:
                 return None
-            if known >= len(seq.blocks) * block_size:
+            if known >= len(seq.blocks.blocks) * block_size:
                 growing.append(seq)
         if len(growing) > self.blocks.num_free:
             return None
@@ -413,10 +415,12 @@ class NativeEngine(ThreadedEngine):
         if step.copied is not None:
             step.copied.synchronize()  # the step's tokens, not the step launched after it
         tokens = step.host_tokens.tolist()
-        asked = [token for seq, token in zip(step.ready, tokens) if seq.request.logprobs is not None]
-        logprobs = iter(step.logprobs.read(asked) if step.logprobs else [])
+        if step.logprobs is not None:
+            asked = [tokens[row] for row in step.rows.asked]
+            logprobs = iter(step.logprobs.read(asked))
+            for seq in step.ready:
+                seq.logprob = next(logprobs) if seq.request.logprobs is not None else None
         for seq, token in zip(step.ready, tokens):
-            seq.logprob = next(logprobs) if seq.request.logprobs is not None else None
             if not seq.done:
                 sampled.append((seq, [token]))
                 self._append(seq, token)
@@ -440,10 +444,8 @@ class NativeEngine(ThreadedEngine):
 
     def _append(self, seq: Sequence, token: int) -> bool:
         """A new token of `seq`; False when it ends the sequence (which gives its blocks back)."""
-        params = seq.request.sampling
         seq.append(token)
-        if (seq.at_limit(self.info.max_model_len)
-                or seq.text.is_stop_token(token, params.stop_token_ids, params.ignore_eos)):
+        if len(seq.tokens) >= seq.end or token in seq.stop_ids:
             self._drop(seq)
             return False
         return True
@@ -451,7 +453,7 @@ class NativeEngine(ThreadedEngine):
     def _emit(self) -> int:
         """Text and messages of the tokens last read (messages.py paces them); how many of them ended."""
         sampled, self._pending = self._pending, []
-        sent, ended = self.messages.of(sampled, len(self._running), self.info.max_model_len)
+        sent, ended = self.messages.of(sampled, len(self._running))
         for seq in ended:
             if not seq.done:
                 self._drop(seq)

@@ -11,6 +11,8 @@ from worker.request import RequestOutput
 
 MIN_SPACING_S = 0.0005
 """Messages closer than this are not held back (the servicer's threshold too)."""
+BURST_S = 0.002
+"""Seconds of max_messages_per_s that a step may send beyond what the time since the last one earned."""
 
 
 class Messages:
@@ -19,21 +21,31 @@ class Messages:
     gRPC streams (server.max_messages_per_s). Paced at the source, every consumer wakes that much
     less, and they share the GIL with the engine thread (a tiny model on the 2-core CPU, where the
     host is what a step costs: batch 256, 5.5 ms a step against 4.3 paced; batch 64, 1.25 against
-    1.11)."""
+    1.11).
+
+    The rate holds for the worker as a whole, step by step: streams that started together would
+    otherwise all be due in the same step, every spacing, and that step's messages (25 us each on
+    an H100 host) held the device idle for 5-7 ms at batch 256 while the steps between had time to
+    spare. Due messages past what the time since the last step allows wait a step, so the streams'
+    turns spread over the steps."""
 
     def __init__(self, max_messages_per_s: float):
         self.max_messages_per_s = max_messages_per_s
+        self._allowance = 0.0  # messages the rate allows beyond those sent, at the last step
+        self._last = 0.0  # monotonic time of the last step's messages
 
-    def of(self, sampled: list[tuple[Sequence, list[int]]], running: int,
-           max_model_len: int) -> tuple[list[tuple[RequestStream, RequestOutput]], list[Sequence]]:
+    def of(self, sampled: list[tuple[Sequence, list[int]]],
+           running: int) -> tuple[list[tuple[RequestStream, RequestOutput]], list[Sequence]]:
         """(stream, message) to send for the tokens just read, and the sequences that ended with
         them (those a stop string ended are still for the engine to drop). A held sequence's tokens become text when its message goes,
         in one pass (at batch 256 this thread's work a token is what a step costs), unless it has
         stop strings, which must be found as soon as they appear."""
         sent, ended = [], []
         now = time.monotonic()
-        spacing = running / self.max_messages_per_s if self.max_messages_per_s else 0.0
+        rate = self.max_messages_per_s
+        spacing = running / rate if rate else 0.0
         paced = spacing > MIN_SPACING_S
+        allowance = rate * (now - self._last) + min(self._allowance, rate * BURST_S) if paced else 0.0
         for seq, tokens in sampled:
             if seq.aborted:  # its stream already has its last message
                 continue
@@ -41,23 +53,26 @@ class Messages:
             box.ids.extend(tokens)
             if seq.logprob:
                 box.logprobs.append(seq.logprob)
-            held = paced and not seq.done and now - box.sent_at < spacing
+            held = paced and not seq.done and box.sent_at and (now - box.sent_at < spacing or allowance < 1)
             if held and not seq.request.sampling.stop:
                 continue
-            finish = self.read(seq, max_model_len)
+            finish = self.read(seq)
             if finish is not None:
                 ended.append(seq)
             elif held:
                 continue
+            allowance -= 1
             sent.append((seq.stream, self.take(seq, finish, now)))
+        if sampled:
+            self._allowance, self._last = max(allowance, 0.0), now
         return sent, ended
 
-    def flush(self, seq: Sequence, max_model_len: int) -> RequestOutput:
+    def flush(self, seq: Sequence) -> RequestOutput:
         """What the outbox holds, as a message now (a preempted sequence makes no tokens for a while)."""
-        return self.take(seq, self.read(seq, max_model_len), time.monotonic())
+        return self.take(seq, self.read(seq), time.monotonic())
 
     @staticmethod
-    def read(seq: Sequence, max_model_len: int) -> str | None:
+    def read(seq: Sequence) -> str | None:
         """Turns the outbox's unread tokens into text; the finish reason, where one ends the request
         (the tokens after a stop string are dropped)."""
         box, params = seq.outbox, seq.request.sampling
@@ -65,7 +80,7 @@ class Messages:
             return None
         # Before the sequence samples again, so its state is still that of the last token.
         text, finish, taken = seq.text.add_all(box.ids[box.read:], params.stop_token_ids, params.ignore_eos,
-                                               seq.at_limit(max_model_len))
+                                               seq.at_limit())
         del box.ids[box.read + taken:]
         box.read = len(box.ids)
         box.text += text

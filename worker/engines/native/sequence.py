@@ -14,7 +14,7 @@ from worker.engines.logprobs import Pending, of_prompt
 from worker.engines.native.block_manager import BlockTable
 from worker.engines.native.model import Batch
 from worker.engines.native.speculation import Proposer
-from worker.engines.sampler import choose
+from worker.engines.sampler import Rows, choose
 from worker.request import GenerationRequest, TokenLogprob
 from worker.telemetry import get_logger
 
@@ -61,6 +61,10 @@ class Sequence:
     """Tokens proposed after its last one in the step being run, checked when the step is read."""
     outbox: Outbox = field(default_factory=Outbox)
     """Its tokens read since its last message (messages.py paces them)."""
+    end: int = 1 << 62
+    """How many tokens it has when max_tokens or the model's context ends it."""
+    stop_ids: frozenset[int] = frozenset()
+    """Tokens that end it: its stop ids, and EOS unless it ignores EOS."""
 
     def __post_init__(self) -> None:
         if self.request.prompt_logprobs is not None:
@@ -78,9 +82,9 @@ class Sequence:
         if self.matcher is not None and not self.matcher.accept_token(token):
             log.error("grammar refused a token its mask allowed", request_id=self.request.request_id, token=token)
 
-    def at_limit(self, max_model_len: int) -> bool:
+    def at_limit(self) -> bool:
         """Its tokens reached max_tokens or the model's context."""
-        return len(self.output_ids) >= self.request.sampling.max_tokens or len(self.tokens) >= max_model_len
+        return len(self.tokens) >= self.end
 
     def score_prompt(self, logits: torch.Tensor, count: int) -> None:
         """Prompt logprobs from the rows of a prefill chunk of `count` tokens after the cached ones:
@@ -117,6 +121,8 @@ class Step:
     """Of the `ready` rows whose requests asked, in order."""
     logits: torch.Tensor | None = None
     """The ready rows' logits, until sample() has queued their sampling."""
+    rows: Rows | None = None
+    """What sampling reads of the ready rows (gathered by sample(), or those of the step launched before)."""
     verifying: list[Sequence] = field(default_factory=list)
     """Rows with proposals (Sequence.draft), in order; not in `ready`."""
     draft_logits: torch.Tensor | None = None
@@ -125,7 +131,9 @@ class Step:
     @torch.inference_mode()  # penalties write into the logits, which the forward made inference tensors
     def sample(self, grammars: Any) -> Step:
         """Queues the ready rows' sampling, and the tokens' copy to the host; nothing waits."""
-        self.tokens, self.logprobs = choose(self.logits, self.ready, grammars)
+        if self.rows is None:
+            self.rows = Rows(self.ready)
+        self.tokens, self.logprobs = choose(self.logits, self.rows, grammars)
         self.host_tokens, self.logits = self.tokens, None
         if self.tokens.is_cuda:
             self.copied = torch.cuda.Event()

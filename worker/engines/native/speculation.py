@@ -197,8 +197,7 @@ class Speculator:
             return Proposer(self.settings, self.recent)
         return None
 
-    def propose(self, scheduled: list[tuple[Sequence, int]], blocks: BlockManager, max_model_len: int,
-                overlap: bool) -> int:
+    def propose(self, scheduled: list[tuple[Sequence, int]], blocks: BlockManager, overlap: bool) -> int:
         """Proposals for the decodes in `scheduled` (rewritten to 1 + k tokens) that pay for their
         rows: the tokens a sequence's proposals have lately added, less MARGIN (a), against what its
         k rows cost the step (k x b, StepCost), taken while a x (step seconds) > (step tokens) x k x b,
@@ -208,8 +207,7 @@ class Speculator:
         for row, (seq, _) in enumerate(scheduled):
             if seq.proposer is None:
                 continue
-            limit = min(seq.request.sampling.max_tokens - len(seq.output_ids),
-                        max_model_len - len(seq.tokens)) - 1  # the token after them counts too
+            limit = seq.end - len(seq.tokens) - 1  # the token after them counts too
             if draft := seq.proposer.propose(seq.tokens, limit):
                 candidates.append(((seq.proposer.expected - MARGIN) / len(draft), row, draft))
             elif overlap:  # a step that proposes nothing still costs the overlap (engine._launch_ahead)
