@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import random
@@ -252,6 +253,8 @@ async def throughput(name: str, shape: dict, batches: list[int], work: Path, ban
     engine = engine_for(folder, "bfloat16")
     await engine.load_model()
     row["native_ready_s"] = time.perf_counter() - started
+    gc.collect()
+    gc.freeze()  # as the worker does once loaded (server.py): a full collection stalls every stream
     rng = random.Random(3)
     try:
         await run_requests(engine, [[rng.randrange(2, shape["vocab_size"]) for _ in range(PROMPT)]] * 2, 8)
