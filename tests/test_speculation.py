@@ -95,6 +95,43 @@ def test_a_new_sequence_starts_from_what_checks_lately_accepted():
     assert speculator.proposer_for(request, plain=True).expected < 1
 
 
+def test_a_draft_is_cut_where_its_last_tokens_no_longer_pay_for_their_rows():
+    """A sequence whose proposed tokens are accepted about 2 times in 3: where a row costs a step
+    next to nothing (batch 1 on a CPU) its whole draft goes in; where a row costs half a decode's
+    worth (batch 8) the draft is cut to the tokens likely enough to be accepted to pay; a sequence
+    whose tokens are nearly always accepted (a copy) keeps its whole draft even there."""
+    from types import SimpleNamespace
+
+    from worker.engines.native.block_manager import BlockManager, BlockTable
+
+    def proposer(accepted, proposed, checks=12):
+        made = Proposer(SETTINGS)
+        for _ in range(checks):
+            made.record(accepted, proposed)
+        return made
+
+    def drafts(per_row_s, proposers):
+        speculator, blocks = Speculator(SETTINGS), BlockManager(64, 16)
+        for step in range(40):  # a step costs 20 ms + per_row_s a row
+            rows = 8 + step % 5 * 4
+            speculator.step_cost.record(rows, 0.020 + per_row_s * rows)
+        tokens = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3]  # (2, 3) occurred before: [4, 5, 6, 7] proposed
+        scheduled = []
+        for made in proposers:
+            seq = SimpleNamespace(proposer=made, tokens=list(tokens), end=100, num_cached=9, draft=[],
+                                  blocks=BlockTable())
+            blocks.grow(seq.blocks, 10)
+            scheduled.append((seq, 1))
+        scheduled += [(SimpleNamespace(proposer=None), 1)] * (8 - len(proposers))
+        speculator.propose(scheduled, blocks, overlap=False)
+        return [len(seq.draft) for seq, _ in scheduled[:len(proposers)]]
+
+    sometimes, copying = proposer(2, 4), proposer(4, 4)  # 2 of 3 checked tokens accepted; every one
+    assert drafts(0.0001, [sometimes]) == [4], "rows nearly free: the whole draft"
+    cut = drafts(0.002, [sometimes, copying])
+    assert 1 <= cut[0] < 4 and cut[1] == 4, cut
+
+
 class Row:
     def __init__(self, draft, temperature=0.0, seed=0, top_k=0):
         self.draft = draft
