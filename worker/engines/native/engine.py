@@ -445,7 +445,7 @@ class NativeEngine(ThreadedEngine):
     def _append(self, seq: Sequence, token: int) -> bool:
         """A new token of `seq`; False when it ends the sequence (which gives its blocks back)."""
         seq.append(token)
-        if len(seq.tokens) >= seq.end or token in seq.stop_ids:
+        if seq.at_limit() or token in seq.stop_ids:
             self._drop(seq)
             return False
         return True
