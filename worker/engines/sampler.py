@@ -21,8 +21,9 @@ class Row(Protocol):
 
 class Rows:
     """What choose() reads of a batch's rows, gathered once: a decode step launched ahead of the
-    last one's tokens has that step's rows (at batch 256, gathering them again each step was
-    ~0.3 ms of the engine thread's ~2.5)."""
+    last one's tokens has that step's rows. At batch 256 on an H100 host, reusing them (and checking
+    each sequence's end with one comparison) took launching a step ahead from ~1.1 to ~0.8 ms of the
+    engine thread, against a 2.6 ms step."""
 
     def __init__(self, rows: list[Row]):
         self.rows = rows

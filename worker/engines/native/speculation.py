@@ -219,8 +219,7 @@ class Speculator:
         drafts weighed with their rows at cost ran chat at 0.93x, and with a flat mark-down of a
         token (the rule before this one) at 0.92-0.97x and rewrites at 1.51-1.62x a round; cut, chat
         at 0.99-1.04x and rewrites at 1.45-1.60x. Only where free blocks hold them, after every
-        decode has its block:
-        proposals never preempt. Returns the tokens added."""
+        decode has its block: proposals never preempt. Returns the tokens added."""
         fit = self.step_cost.fit()
         tokens, seconds = len(scheduled), fit[0] + fit[1] * len(scheduled) if fit else 0.0
         row_cost = tokens * fit[1] / seconds if fit and seconds > 0 else 0.0  # a row, in the step's tokens
