@@ -249,13 +249,10 @@ def test_the_message_rate_holds_for_the_worker_step_by_step(monkeypatch):
     """Streams that started together are all due together every spacing; the rate holds for the
     worker as a whole, so the due messages past what the time since the last step allows wait a
     step and the streams' turns spread out. First and last messages go at once; nothing is lost."""
+    from tests.test_text import ByteTokenizer
     from worker.engines.detokenizer import OutputText
     from worker.engines.native import messages as module
     from worker.engines.native.sequence import Outbox
-
-    class Bytes:
-        def decode(self, ids, skip_special_tokens=True):
-            return bytes(ids).decode("utf-8", errors="replace")
 
     clock = [100.0]
     monkeypatch.setattr(module.time, "monotonic", lambda: clock[0])
@@ -264,7 +261,7 @@ def test_the_message_rate_holds_for_the_worker_step_by_step(monkeypatch):
     def sequence(index):
         seq = SimpleNamespace(aborted=False, done=False, logprob=None, prompt_logprobs=None, outbox=Outbox(),
                               stream=index, count=0, request=SimpleNamespace(sampling=SamplingParams(max_tokens=length)),
-                              text=OutputText(Bytes(), [], (), frozenset()))
+                              text=OutputText(ByteTokenizer(), [], (), frozenset()))
         seq.at_limit = lambda: seq.count >= length
         return seq
 
