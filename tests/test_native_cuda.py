@@ -112,7 +112,89 @@ def test_one_row_linear_matches_torch(dtype):
         x = torch.randn(1, k, device="cuda", dtype=dtype)
         tolerance = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
         torch.testing.assert_close(RowLinear(linear)(x), linear(x), **tolerance)
-        assert RowLinear(linear)(x.repeat(3, 1)).shape == (3, n)  # more rows: torch's linear
+        for rows in (3, 16, 40):  # a few rows through few_rows (half precision, with PDL), more through torch
+            torch.testing.assert_close(RowLinear(linear)(x.repeat(rows, 1)), linear(x.repeat(rows, 1)), **tolerance)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels run on CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_down_projection_takes_the_activation_as_it_reads_it(dtype):
+    """One row's SiLU-and-multiply inside the matrix-vector kernel gives the two kernels' result to
+    the bit; more rows take the two kernels."""
+    from worker.engines.native.elementwise import Elementwise
+    from worker.engines.native.gemv import RowLinear, few_rows, gemv
+
+    torch.manual_seed(0)
+    ops = Elementwise()
+    ops.use_triton()
+    for n, k in ((2048, 8192), (576, 1536)):
+        down = RowLinear(torch.nn.Linear(k, n, bias=False, device="cuda", dtype=dtype))
+        gate_up = torch.randn(1, 2 * k, device="cuda", dtype=dtype) * 3
+        assert torch.equal(down.after_silu_and_mul(gate_up, ops.silu_and_mul), down(ops.silu_and_mul(gate_up)))
+        assert torch.equal(gemv(gate_up, down.linear.weight, None, gated=True),
+                           gemv(ops.silu_and_mul(gate_up), down.linear.weight, None))
+        many = gate_up.repeat(4, 1)  # two kernels: the activation once for all the rows
+        assert torch.equal(down.after_silu_and_mul(many, ops.silu_and_mul), down(ops.silu_and_mul(many)))
+    if dtype == torch.bfloat16:  # few_rows' own shapes: uneven N, a bias, every row count up to its tile
+        linear = torch.nn.Linear(512, 1001, device="cuda", dtype=dtype)
+        for rows in (2, 7, 16, 33):
+            x = torch.randn(rows, 512, device="cuda", dtype=dtype)
+            torch.testing.assert_close(few_rows(x, linear.weight, linear.bias, 32, 256, 4, 3), linear(x),
+                                       atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="programmatic dependent launch needs compute capability 9.0")
+def test_kernels_launched_early_wait_for_their_inputs_in_a_graph(monkeypatch):
+    """With PDL a kernel starts while the one before it runs; each must still read what that one
+    wrote. A layer's chain at batch 1 (norm, matrix-vector, rotary and cache write, attention, SiLU),
+    captured in a CUDA graph and replayed on a new input each time, gives what it gives launched
+    without PDL: a read before the wait would see the previous replay's values."""
+    from worker.engines.native import pdl
+    from worker.engines.native.attention import decode_attention, rope_and_store
+    from worker.engines.native.elementwise import Elementwise
+    from worker.engines.native.gemv import gemv
+
+    torch.manual_seed(0)
+    ops = Elementwise()
+    ops.use_triton()
+    heads, kv_heads, dim, width, blocks = 8, 2, 64, 512, 4
+    weights = [torch.randn(n, k, device="cuda") / k ** 0.5 for n, k in
+               (((heads + 2 * kv_heads) * dim, width), (width, heads * dim), (2 * 1024, width), (width, 1024))]
+    norm = torch.rand(width, device="cuda") + 0.5
+    k_cache, v_cache = (torch.randn(blocks * 16, kv_heads, dim, device="cuda") for _ in range(2))
+    tables = torch.arange(blocks, dtype=torch.int32, device="cuda")[None, :]
+    lens = torch.tensor([blocks * 16], dtype=torch.int32, device="cuda")
+    slots = torch.tensor([blocks * 16 - 1], device="cuda")
+    cos, sin = torch.rand(1, 1, dim, device="cuda"), torch.rand(1, 1, dim, device="cuda")
+    x_in = torch.empty(1, width, device="cuda")
+
+    def layer():
+        residual, h = ops.add_rms_norm(x_in, x_in, norm, 1e-5)
+        q, k, v = gemv(h, weights[0], None).split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
+        q, _ = rope_and_store(q.view(1, heads, dim), k.view(1, kv_heads, dim), v.view(1, kv_heads, dim), cos, sin,
+                              k_cache, v_cache, slots, ops.rotate)
+        attended = decode_attention(q, k_cache, v_cache, tables, lens, 16, None)
+        residual, h = ops.add_rms_norm(gemv(attended.view(1, -1), weights[1], None), residual, norm, 1e-5)
+        return gemv(ops.silu_and_mul(gemv(h, weights[2], None)), weights[3], None) + residual
+
+    inputs = [torch.randn(1, width, device="cuda") for _ in range(20)]
+    results = {}
+    for early in (False, True):
+        monkeypatch.setitem(pdl._SUPPORTED, torch.device("cuda", torch.cuda.current_device()), early)
+        monkeypatch.setitem(pdl._SUPPORTED, torch.device("cuda"), early)
+        x_in.copy_(inputs[0])
+        layer()  # compiles the kernels outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = layer()
+        results[early] = []
+        for value in inputs:
+            x_in.copy_(value)
+            graph.replay()
+            results[early].append(out.clone())
+    for late, early in zip(results[False], results[True]):
+        assert torch.equal(late, early)
 
 
 @pytest.fixture(scope="module")

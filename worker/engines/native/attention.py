@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from worker.engines.native import kernels
+from worker.engines.native import kernels, pdl
 from worker.engines.native.paged_prefill import paged_prefill
 
 try:
@@ -27,6 +27,10 @@ try:
 except ImportError:  # CPU installs have no Triton; the torch paths below serve them
     triton = None
 
+DECODE_STAGES = 2
+"""The decode kernel's software pipeline: with PDL on an H100, 16 layers of the Llama-1B shape at batch 1
+took 3.0 / 6.1 / 8.8 us of attention a layer at contexts of 128 / 320 / 1024 tokens against 3.8 /
+7.0 / 9.5 with 3 stages (128-token tiles: 3.4 / 5.8 / 8.8)."""
 MAX_SPLITS = 8
 """Parts a context may be split in for the decode kernel at small batches."""
 WHOLE_TILES = 6
@@ -45,11 +49,13 @@ def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
         kv_heads = k.shape[1]
         q_out, k_out = torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(k, memory_format=torch.contiguous_format)
         cos, sin = cos.reshape(tokens, dim), sin.reshape(tokens, dim)
+        early = pdl.supported(q.device)
         _rope_store_kernel[(tokens,)](
             q, k, v, cos, sin, q_out, k_out, k_cache, v_cache, slots,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
             k_cache.stride(0), k_cache.stride(1), HEADS=heads, KV_HEADS=kv_heads,
-            HEADS_PAD=triton.next_power_of_2(heads), KV_PAD=triton.next_power_of_2(kv_heads), HALF=dim // 2)
+            HEADS_PAD=triton.next_power_of_2(heads), KV_PAD=triton.next_power_of_2(kv_heads), HALF=dim // 2,
+            PDL=early, launch_pdl=early)
         return q_out, k_out
     if q.device.type == "cpu" and kernels.loaded():
         return kernels.rope_and_store(q, k, v, cos, sin, k_cache, v_cache, slots)
@@ -191,12 +197,13 @@ def _decode_triton(q, k_cache, v_cache, tables, lens, block_size):
     splits = min(MAX_SPLITS, triton.next_power_of_2(-(-256 // (batch * kv_heads)))) if batch * kv_heads < 128 else 1
     partial = [torch.empty(batch, kv_heads, splits, group_pad, *extra, device=q.device, dtype=torch.float32)
                for extra in ((), (), (dim,))] if splits > 1 else [out] * 3
+    early = pdl.supported(q.device)
     _decode_kernel[(batch, kv_heads, splits)](
         q, k_cache, v_cache, out, tables, lens, dim ** -0.5, *partial, _arrivals(q.device) if splits > 1 else lens,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), tables.stride(0),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=dim, BLOCK=block_size,
         TILE=block_size * tile_blocks, IEEE=q.dtype == torch.float32, SPLITS=splits, WHOLE_TILES=WHOLE_TILES,
-        num_warps=4)
+        PDL=early, num_warps=4, num_stages=DECODE_STAGES, launch_pdl=early)
     return out
 
 
@@ -213,7 +220,8 @@ if triton is not None:
     def _rope_store_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, k_cache_ptr, v_cache_ptr,
                            slots_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos,
                            stride_cs, stride_ch, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
-                           HEADS_PAD: tl.constexpr, KV_PAD: tl.constexpr, HALF: tl.constexpr):
+                           HEADS_PAD: tl.constexpr, KV_PAD: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr):
+        pdl.wait_for_previous(PDL)
         token = tl.program_id(0)
         half = tl.arange(0, HALF)
         cos1 = tl.load(cos_ptr + token * stride_cos + half).to(tl.float32)[None, :]
@@ -246,11 +254,12 @@ if triton is not None:
                        arrivals_ptr, stride_qt, stride_qh, stride_ks, stride_kh, stride_table,
                        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                        BLOCK: tl.constexpr, TILE: tl.constexpr, IEEE: tl.constexpr, SPLITS: tl.constexpr,
-                       WHOLE_TILES: tl.constexpr):
+                       WHOLE_TILES: tl.constexpr, PDL: tl.constexpr):
         """One (sequence, KV head, part of the context). With SPLITS > 1 it writes the part's
         running max, sum and unnormalized output, shapes (B, kv_heads, SPLITS, GROUP_PAD[, D]),
         and the last part to finish combines them: in one kernel, a context too short to split
         costs no second launch."""
+        pdl.wait_for_previous(PDL)
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)

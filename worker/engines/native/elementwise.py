@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from worker.engines.native import kernels
+from worker.engines.native import kernels, pdl
 
 try:
     import triton
@@ -54,16 +54,20 @@ def _norm_triton(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     total = torch.empty_like(out) if residual is not None else x
     block = triton.next_power_of_2(size)
+    early = pdl.supported(x.device)
     _norm_kernel[(rows,)](x, residual if residual is not None else x, weight, total, out, x.stride(0),
                           residual.stride(0) if residual is not None else 0, size, eps,
-                          HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=8 if block >= 4096 else 4)
+                          HAS_RESIDUAL=residual is not None, BLOCK=block, PDL=early,
+                          num_warps=8 if block >= 4096 else 4, launch_pdl=early)
     return total, out
 
 
 def _silu_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     rows, size = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(rows, size, dtype=gate_up.dtype, device=gate_up.device)
-    _silu_mul_kernel[(rows, triton.cdiv(size, 1024))](gate_up, out, gate_up.stride(0), size, BLOCK=1024, num_warps=4)
+    early = pdl.supported(gate_up.device)
+    _silu_mul_kernel[(rows, triton.cdiv(size, 1024))](gate_up, out, gate_up.stride(0), size, BLOCK=1024, PDL=early,
+                                                      num_warps=4, launch_pdl=early)
     return out
 
 
@@ -92,11 +96,13 @@ if triton is not None:
 
     @triton.jit
     def _norm_kernel(x_ptr, residual_ptr, weight_ptr, total_ptr, out_ptr, stride_x, stride_r, size, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
         """One row: total = x + residual (stored, in x's dtype), out = weight * norm(total)."""
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < size
+        weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # no kernel writes it
+        pdl.wait_for_previous(PDL)
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:
             x += tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
@@ -105,12 +111,12 @@ if triton is not None:
             x = x.to(tl.float32)
         normed = x * tl.rsqrt(tl.sum(x * x, axis=0) / size + eps)
         normed = normed.to(out_ptr.dtype.element_ty).to(tl.float32)
-        weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * size + cols, (weight * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _silu_mul_kernel(gate_up_ptr, out_ptr, stride_row, size, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(gate_up_ptr, out_ptr, stride_row, size, BLOCK: tl.constexpr, PDL: tl.constexpr):
         """out[row, cols] = silu(gate) * up, gate and up the two halves of the row."""
+        pdl.wait_for_previous(PDL)
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < size

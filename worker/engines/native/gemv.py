@@ -1,17 +1,24 @@
-"""Linear layers for one row on CUDA (a batch-1 decode step), as a Triton matrix-vector kernel.
+"""Linear layers for one row on CUDA (a batch-1 decode step), as a Triton matrix-vector kernel, and
+for a few rows (2-16) as a Triton kernel that streams each weight once.
 
 At batch 1 a decode step is these products and little else: each reads its weight once for 2 flops
 a weight, so what counts is how near the read comes to the memory's bandwidth. For the Llama-1B
 shapes on an H100, cuBLAS's kernels for one row took 7.0 / 6.4 / 25.4 / 16.3 / 189 us (qkv, o,
 gate_up, down with its split-K reduce, lm_head); this kernel 6.2 / 4.8 / 23.7 / 13.4 / 166, 10% of
 the step (each timed in a CUDA graph, over copies of the weight larger than L2). Each program
-streams its BN rows of W in (BN, BK) tiles, read once and so marked evict-first.
+streams its BN rows of W in (BN, BK) tiles, read once and so marked evict-first. Launched with PDL
+(pdl.py), both kernels read their first tile of W while the kernel before them still runs: a
+16-layer chain of the 1B shape's kernels at batch 1 took 874 us with 2048-wide tiles (a whole row
+read ahead), 891 with 1024 and 996 with 512. Asking L2 for a program's whole slice of W ahead
+(`prefetch.global.L2`) made the same chain slower, 1,047 against 933 us.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from worker.engines.native import pdl
 
 try:
     import triton
@@ -21,45 +28,130 @@ except ImportError:  # CPU installs have no Triton
 
 
 class RowLinear(nn.Module):
-    """`linear`, through the kernel when the input is one row."""
+    """`linear`, through the kernels here for one row (and, with PDL, up to 16 rows in half precision)."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.linear = linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] != 1 or not x.is_cuda or x.stride(-1) != 1:  # the kernel reads x as one contiguous row
-            return self.linear(x)
-        return gemv(x, self.linear.weight, self.linear.bias)
+        out = self._through_kernel(x, gated=False)
+        return out if out is not None else self.linear(x)
+
+    def after_silu_and_mul(self, gate_up: torch.Tensor, silu_and_mul) -> torch.Tensor:
+        """linear(silu_and_mul(gate_up)); through the kernels here in one, the activation taken as it is read."""
+        out = self._through_kernel(gate_up, gated=True)
+        return out if out is not None else self(silu_and_mul(gate_up))
+
+    def _through_kernel(self, x: torch.Tensor, gated: bool) -> torch.Tensor | None:
+        """x's product through gemv or few_rows, or None where torch's linear serves it better."""
+        if not x.is_cuda or x.stride(-1) != 1:  # the kernels read x's rows as contiguous
+            return None
+        weight, bias = self.linear.weight, self.linear.bias
+        if x.shape[0] == 1:
+            return gemv(x, weight, bias, gated)
+        if (x.shape[0] <= 16 and x.dtype in (torch.bfloat16, torch.float16) and weight.shape[1] % 256 == 0
+                and pdl.supported(x.device)):
+            if gated:  # each program would take all the rows' activation: at 16 rows the step took 2.1 ms, not 1.5
+                return None
+            return few_rows(x, weight, bias, *(FEW_ROWS_WIDE if 8192 <= weight.shape[0] < 65536 else FEW_ROWS))
+        return None
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x (1, K) @ weight (N, K).T (+ bias): (1, N) in x's dtype, accumulated in fp32."""
+FEW_ROWS = (32, 256, 4, 5)
+FEW_ROWS_WIDE = (64, 128, 4, 5)
+"""few_rows' (bn, bk, warps, stages): the fastest at 16 rows for the Llama-1B shapes on an H100, each after
+a norm kernel and launched with PDL (us, cuBLAS's in brackets): qkv 8.1 (8.6), o 7.1 (7.5), down 17.1
+(17.5), lm_head 180 (193); the wide one for gate_up, 27.2 (28.4). At 64 rows cuBLAS was as fast or
+faster (down 18.7 against 19.7), so more rows go to it."""
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool = False) -> torch.Tensor:
+    """x (1, K) @ weight (N, K).T (+ bias): (1, N) in x's dtype, accumulated in fp32. gated: x is
+    (1, 2K), [gate | up], and silu(gate) * up is what multiplies the weight, rounded as
+    elementwise.silu_and_mul rounds it (so the result is the same to the bit, one kernel fewer)."""
     n, k = weight.shape
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     rows = 8 if n >= 3072 else 4  # the fastest for the shapes above: more programs for the narrow ones
-    tile = min(1024, triton.next_power_of_2(k))
+    tile = min(2048, triton.next_power_of_2(k))  # with PDL a whole 2048-wide row is read before the wait
+    early = pdl.supported(x.device)
     _gemv_kernel[(triton.cdiv(n, rows),)](
         x, weight, bias if bias is not None else weight, out, n, k, weight.stride(0), HAS_BIAS=bias is not None,
-        EVEN_K=k % tile == 0, BN=rows, BK=tile, num_warps=8, num_stages=4 if k >= 8192 else 3)
+        EVEN_K=k % tile == 0, GATED=gated, BN=rows, BK=tile, PDL=early, num_warps=8, num_stages=4 if k >= 8192 else 3,
+        launch_pdl=early)
+    return out
+
+
+def few_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, bn: int, bk: int, warps: int,
+             stages: int) -> torch.Tensor:
+    """x (M, K), M <= 64, @ weight (N, K).T (+ bias), bf16 or fp16, K a multiple of bk: each program
+    streams bn rows of W once for every row of x."""
+    m = x.shape[0]
+    n, k = weight.shape
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    early = pdl.supported(x.device)
+    _few_rows_kernel[(triton.cdiv(n, bn),)](
+        x, weight, bias if bias is not None else weight, out, m, n, k, x.stride(0), weight.stride(0),
+        HAS_BIAS=bias is not None, BM=max(16, triton.next_power_of_2(m)), BN=bn, BK=bk, PDL=early,
+        num_warps=warps, num_stages=stages, launch_pdl=early)
     return out
 
 
 if triton is not None:
 
     @triton.jit
+    def _few_rows_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_x, stride_w, HAS_BIAS: tl.constexpr,
+                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
+        cols = tl.program_id(0) * BN + tl.arange(0, BN)
+        rows = tl.arange(0, BM)
+        ks = tl.arange(0, BK)
+        w = tl.load(w_ptr + cols[:, None] * stride_w + ks[None, :], mask=(cols < N)[:, None], other=0.0,
+                    eviction_policy="evict_first")
+        pdl.wait_for_previous(PDL)
+        x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=(rows < M)[:, None], other=0.0)
+        acc = tl.dot(x, tl.trans(w))
+        for start in range(BK, K, BK):
+            ks = start + tl.arange(0, BK)
+            w = tl.load(w_ptr + cols[:, None] * stride_w + ks[None, :], mask=(cols < N)[:, None], other=0.0,
+                        eviction_policy="evict_first")
+            x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=(rows < M)[:, None], other=0.0)
+            acc = tl.dot(x, tl.trans(w), acc)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=(rows < M)[:, None] & (cols < N)[None, :])
+
+    @triton.jit
+    def _row_tile(x_ptr, ks, K, GATED: tl.constexpr):
+        """x's values at ks, in fp32; GATED: silu(gate) * up from x = [gate | up], rounded to x's dtype at
+        each step as _silu_mul_kernel rounds."""
+        mask = ks < K
+        if GATED:
+            gate = tl.load(x_ptr + ks, mask=mask, other=0.0).to(tl.float32)
+            up = tl.load(x_ptr + K + ks, mask=mask, other=0.0).to(tl.float32)
+            act = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty).to(tl.float32)
+            return (act * up).to(x_ptr.dtype.element_ty).to(tl.float32)
+        return tl.load(x_ptr + ks, mask=mask, other=0.0).to(tl.float32)
+
+    @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_w, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-                     BN: tl.constexpr, BK: tl.constexpr):
+                     GATED: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
         rows = tl.program_id(0) * BN + tl.arange(0, BN)
-        acc = tl.zeros((BN, BK), tl.float32)
-        for start in range(0, K, BK):
+        # The first tile of W, read before the wait: no kernel writes the weights.
+        ks = tl.arange(0, BK)
+        mask = rows[:, None] < N
+        if not EVEN_K:
+            mask = mask & (ks[None, :] < K)
+        w = tl.load(w_ptr + rows[:, None] * stride_w + ks[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
+        pdl.wait_for_previous(PDL)
+        acc = w.to(tl.float32) * _row_tile(x_ptr, ks, K, GATED)[None, :]
+        for start in range(BK, K, BK):
             ks = start + tl.arange(0, BK)
             mask = rows[:, None] < N
             if not EVEN_K:
                 mask = mask & (ks[None, :] < K)
             w = tl.load(w_ptr + rows[:, None] * stride_w + ks[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
-            x = tl.load(x_ptr + ks, mask=ks < K, other=0.0) if not EVEN_K else tl.load(x_ptr + ks)
-            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+            acc += w.to(tl.float32) * _row_tile(x_ptr, ks, K, GATED)[None, :]
         out = tl.sum(acc, 1)
         if HAS_BIAS:
             out += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)

@@ -231,7 +231,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if isinstance(self.down_proj, RowLinear):  # CUDA: one row's activation inside the down projection's kernel
+            return self.down_proj.after_silu_and_mul(gate_up, self.ops.silu_and_mul)
+        return self.down_proj(self.ops.silu_and_mul(gate_up))
 
 
 class LlamaModel(nn.Module):
