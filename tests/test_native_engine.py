@@ -121,12 +121,12 @@ async def test_prefix_cache_hits_give_the_same_tokens(hf_reference, embedded_mod
     await engine.load_model()
     try:
         assert await generate(engine, prompts[:3], together=False) == expected[:3]
-        before = engine.prefix_hit_tokens
+        before = engine.batcher.prefix_hit_tokens
         assert await generate(engine, prompts, together=True) == expected
         full_blocks = sum((len(ids) - 1) // engine.blocks.block_size for ids in prompts[:3])
         assert full_blocks > 0
-        assert engine.prefix_hit_tokens - before >= full_blocks * engine.blocks.block_size
-        assert engine.prefix_queried_tokens >= engine.prefix_hit_tokens
+        assert engine.batcher.prefix_hit_tokens - before >= full_blocks * engine.blocks.block_size
+        assert engine.batcher.prefix_queried_tokens >= engine.batcher.prefix_hit_tokens
         assert engine.num_unfinished() == 0 and engine.blocks.num_free == engine.blocks.num_blocks
     finally:
         await engine.unload_model()
@@ -149,7 +149,7 @@ async def test_requests_share_a_system_prompt(embedded_model):
             rest = await generate(engine, prompts[1:], together=True)
             results[caching] = first + rest
             shared_blocks = len(tokenizer(system)["input_ids"]) // engine.blocks.block_size
-            hits = engine.prefix_hit_tokens
+            hits = engine.batcher.prefix_hit_tokens
             assert hits >= (2 * shared_blocks * engine.blocks.block_size if caching else 0)
         finally:
             await engine.unload_model()

@@ -1,8 +1,8 @@
 """native engine: continuous batching over a paged KV cache, on one engine thread.
 
-Each step reads as schedule() -> launch() -> read() -> emit(): running sequences decode one token
-each, waiting ones prefill in chunks under the step's token budget, and when blocks run out the newest
-running sequence is preempted (its blocks freed, its tokens recomputed later). launch() queues the
+Each step reads as schedule() -> launch() -> read() -> emit(): the Batcher (batcher.py) picks the
+step's rows, running sequences decoding one token each and waiting ones prefilling in chunks, and
+preempts the newest running sequence when blocks run out. launch() queues the
 forward pass and the sampling on the device; read() waits for the tokens. On CUDA the thread keeps the
 device busy while it works: a step's tokens become text and messages (emit) while the next step runs,
 and a decode step whose successor is known before its tokens are (the same sequences, nothing
@@ -15,7 +15,6 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from collections import deque
 
 import torch
 
@@ -23,6 +22,7 @@ from worker.config import ConfigError
 from worker.engines.base import ModelInfo, RequestStream
 from worker.engines.detokenizer import OutputText
 from worker.engines.native import kernels as cpu_kernels
+from worker.engines.native.batcher import Batcher
 from worker.engines.cache_events import CacheEvents
 from worker.engines.native.block_manager import BlockManager, zeros
 from worker.engines.native.messages import Messages
@@ -73,11 +73,8 @@ class NativeEngine(ThreadedEngine):
         self.model = self.tokenizer = self.device = None
         self.blocks: BlockManager | None = None
         self.events = CacheEvents(int(self.args["block_size"]))
-        self._waiting: deque[Sequence] = deque()
-        self._running: list[Sequence] = []
+        self.batcher: Batcher | None = None  # made at load, with the blocks
         self._pending: list[tuple[Sequence, int]] = []  # (sequence, token) sampled and not yet emitted
-        self.prefix_queried_tokens = self.prefix_hit_tokens = 0
-        self._step_flops = 0.0  # of the step being scheduled, priced by the PrefillPacer
         self.row_context = 0.0  # prompt chunks that run as decode rows (batch_of), set at load
         self.messages = Messages(config.server.max_messages_per_s)
 
@@ -136,6 +133,8 @@ class NativeEngine(ThreadedEngine):
         self.k_cache, self.v_cache = (zeros(shape, dtype, self.device) for _ in range(2))
         self.graphs = None
         self.overlap = self.device.type == "cuda" if self._overlap_setting == "auto" else self._overlap_setting == "true"
+        self.batcher = Batcher(self.blocks, self.pacer, self.speculator, int(self.args["max_num_batched_tokens"]),
+                               int(self.args["max_num_seqs"]), self.overlap, self._flush)
         max_model_len = engine.max_model_len or c.max_position_embeddings
         if self.device.type == "cuda" and not self.args["enforce_eager"]:
             from worker.engines.native.graphs import DecodeGraphs
@@ -175,10 +174,10 @@ class NativeEngine(ThreadedEngine):
         return self.blocks.num_blocks * self.blocks.block_size if self.blocks else 0
 
     def num_unfinished(self) -> int:
-        return len(self._waiting) + len(self._running)
+        return len(self.batcher) if self.batcher is not None else 0
 
     def prefix_cache_stats(self) -> tuple[int, int] | None:
-        return (self.prefix_queried_tokens, self.prefix_hit_tokens) if self.blocks else None
+        return (self.batcher.prefix_queried_tokens, self.batcher.prefix_hit_tokens) if self.batcher is not None else None
 
     def speculation_stats(self) -> tuple[int, int, int] | None:
         return self.speculator.stats() if self.speculates else None
@@ -213,11 +212,11 @@ class NativeEngine(ThreadedEngine):
     def _serve(self) -> None:
         step: Step | None = None  # launched, its tokens not read yet
         sync_s = 0.0  # how long to wait for the requests admitted into rows that just ended
-        while self._take_inbox(block=step is None and not (self._waiting or self._running or self._pending), sync_s=sync_s):
+        while self._take_inbox(block=step is None and not (len(self.batcher) or self._pending), sync_s=sync_s):
             if step is None:
                 started = time.monotonic()
-                step = self._launch(self._schedule())
-                step.flops, step.launched_at = self._step_flops, started
+                step = self._launch(self.batcher.schedule())
+                step.flops, step.launched_at = self.batcher.step_flops, started
             ahead = self._launch_ahead(step) if self.overlap else None
             self._emit()  # with overlap: while the step runs on the device
             prefilled = sum(c for seq, c in step.scheduled if c > 1 and not seq.draft)
@@ -229,7 +228,7 @@ class NativeEngine(ThreadedEngine):
             if self.speculates and not prefilled:
                 if step.launched_at:
                     self.speculator.step_cost.record(rows, self.last_step_at - step.launched_at)
-                if self.overlap and not self._waiting and self.last_step_at - previous < 1.0:  # (not after idling)
+                if self.overlap and not self.batcher.waiting and self.last_step_at - previous < 1.0:  # (not after idling)
                     self.speculator.record_period(not step.launched_at, sum(len(t) for _, t in self._pending),
                                                   len(step.scheduled), self.last_step_at - previous)
             if step.flops:  # priced: it may have prefilled
@@ -237,86 +236,28 @@ class NativeEngine(ThreadedEngine):
             step = ahead
             if not self.overlap and self._emit():
                 # An empty row costs the step 1/rows of its tokens: worth a wait of up to that.
-                sync_s = min(0.005, (self.last_step_at - started) / (len(self._running) + 1))
+                sync_s = min(0.005, (self.last_step_at - started) / (len(self.batcher.running) + 1))
             else:
                 sync_s = 0.0
         self._emit()
 
     def _open_streams(self) -> list[RequestStream]:
         ended = [seq for seq, _ in self._pending if seq.done and not seq.aborted]  # their last token unsent
-        return [seq.stream for seq in [*self._waiting, *self._running, *ended]]
+        return [seq.stream for seq in [*self.batcher.waiting, *self.batcher.running, *ended]]
 
     def _on_add(self, seq: Sequence) -> None:
-        self._waiting.append(seq)
+        self.batcher.add(seq)
 
     def _on_abort(self, stream: RequestStream) -> None:
-        for seq in [s for s in [*self._waiting, *self._running] if s.stream is stream]:
-            self._drop(seq)
+        for seq in [s for s in [*self.batcher.waiting, *self.batcher.running] if s.stream is stream]:
+            self.batcher.drop(seq)
             seq.aborted = True
             self._post(seq.stream.put, RequestOutput(finish_reason="aborted"))
 
-    def _drop(self, seq: Sequence) -> None:
-        seq.done = True
-        self.blocks.release(seq.blocks)
-        if seq in self._running:
-            self._running.remove(seq)
-        if seq in self._waiting:
-            self._waiting.remove(seq)
-
-    def _schedule(self) -> list[tuple[Sequence, int]]:
-        """(sequence, tokens this step): a decode for each running one, then prefill chunks within the budget and pacer."""
-        budget = int(self.args["max_num_batched_tokens"])
-        self._step_flops = 0.0
-        scheduled: list[tuple[Sequence, int]] = []
-        preempted: set[int] = set()
-        for seq in list(self._running):
-            if id(seq) in preempted:
-                continue  # preempted below to make room for an older one
-            while not self.blocks.can_grow(seq.blocks, seq.num_cached + 1):
-                victim = self._running[-1]
-                self._preempt(victim)
-                preempted.add(id(victim))
-                if victim is seq:
-                    break
-            else:
-                self.blocks.grow(seq.blocks, seq.num_cached + 1)
-                scheduled.append((seq, 1))
-                budget -= 1
-        if self.speculates:
-            budget -= self.speculator.propose(scheduled, self.blocks, self.overlap)
-        if self._waiting and len(self._running) < int(self.args["max_num_seqs"]):  # a chunk may join: price the decodes
-            self._step_flops = sum(self.pacer.cost(count, seq.num_cached) for seq, count in scheduled)
-        while self._waiting and budget > 0 and len(self._running) < int(self.args["max_num_seqs"]):
-            seq = self._waiting[0]
-            starting = not seq.blocks
-            if starting:  # a prompt being scored needs every position's logits: none from the cache
-                seq.num_cached, queried = (0, 0) if seq.scores_prompt else self.blocks.match_prefix(seq.blocks, seq.tokens)
-            chunk = self.pacer.chunk(seq.num_cached, len(seq.tokens) - seq.num_cached, budget, self._step_flops)
-            if not self.blocks.can_grow(seq.blocks, seq.num_cached + chunk):
-                if starting:  # a waiting sequence holds no blocks until it runs
-                    self.blocks.release(seq.blocks)
-                    seq.num_cached = 0
-                break
-            if starting:
-                self.prefix_queried_tokens += queried
-                self.prefix_hit_tokens += seq.num_cached
-            self.blocks.grow(seq.blocks, seq.num_cached + chunk)
-            scheduled.append((seq, chunk))
-            budget -= chunk
-            self._step_flops += self.pacer.cost(chunk, seq.num_cached)
-            if seq.num_cached + chunk == len(seq.tokens):
-                self._running.append(self._waiting.popleft())
-            else:
-                break  # a chunked prefill goes on next step
-        return scheduled
-
-    def _preempt(self, seq: Sequence) -> None:
-        if seq.outbox.ids:  # it makes no tokens until it runs again
+    def _flush(self, seq: Sequence) -> None:
+        """A preempted sequence makes no tokens until it runs again: what it holds goes now."""
+        if seq.outbox.ids:
             self._post(seq.stream.put, self.messages.flush(seq))
-        self.blocks.release(seq.blocks)
-        seq.num_cached = 0
-        self._running.remove(seq)
-        self._waiting.appendleft(seq)
 
     def _forward(self, scheduled: list[tuple[Sequence, int]]) -> torch.Tensor:
         # Rows with proposals are decodes too (batch_of): such a step runs in the graphs on CUDA
@@ -331,7 +272,7 @@ class NativeEngine(ThreadedEngine):
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             for seq, _ in scheduled:
-                self._drop(seq)
+                self.batcher.drop(seq)
                 seq.aborted = True
                 self._post(seq.stream.fail, DeviceOutOfMemory("device out of memory on this step"))
             return None
@@ -381,7 +322,7 @@ class NativeEngine(ThreadedEngine):
         are computed and dropped; their slot writes land in blocks that stream order keeps from
         anyone else until this step is done."""
         seqs = step.ready
-        if (self.graphs is None or self._waiting or not seqs or len(seqs) != len(step.scheduled)
+        if (self.graphs is None or self.batcher.waiting or not seqs or len(seqs) != len(step.scheduled)
                 or len(seqs) > self.graphs.max_batch
                 or any(seq.proposer and seq.proposer.active for seq in seqs) and self.speculator.schedules_next()):
             return None
@@ -446,17 +387,17 @@ class NativeEngine(ThreadedEngine):
         """A new token of `seq`; False when it ends the sequence (which gives its blocks back)."""
         seq.append(token)
         if seq.at_limit() or token in seq.stop_ids:
-            self._drop(seq)
+            self.batcher.drop(seq)
             return False
         return True
 
     def _emit(self) -> int:
         """Text and messages of the tokens last read (messages.py paces them); how many of them ended."""
         sampled, self._pending = self._pending, []
-        sent, ended = self.messages.of(sampled, len(self._running))
+        sent, ended = self.messages.of(sampled, len(self.batcher.running))
         for seq in ended:
             if not seq.done:
-                self._drop(seq)
+                self.batcher.drop(seq)
         outputs = [(stream.put, output) for stream, output in sent]
         if changes := self.blocks.take_changes():  # the cache's changes since the last step, in its wake-up
             outputs.append((self.events.publish, changes))

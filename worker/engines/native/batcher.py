@@ -1,0 +1,100 @@
+"""Continuous batching for the native engine: which sequences run in the next step, and how many
+tokens each.
+
+Running sequences decode one token each (and their proposals, speculation.py), then waiting ones
+prefill in chunks under the step's token budget and the PrefillPacer, oldest first. When the cache
+cannot hold a running sequence's next token, the newest running sequence is preempted: its blocks
+are freed and it goes back to the front of the queue, to be recomputed (through the prefix cache
+where its blocks survive).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable
+
+from worker.engines.native.block_manager import BlockManager
+from worker.engines.native.pacer import PrefillPacer
+from worker.engines.native.sequence import Sequence
+from worker.engines.native.speculation import Speculator
+
+
+class Batcher:
+    def __init__(self, blocks: BlockManager, pacer: PrefillPacer, speculator: Speculator, max_batched_tokens: int,
+                 max_num_seqs: int, overlap: bool, on_preempt: Callable[[Sequence], None]):
+        self.blocks, self.pacer, self.speculator = blocks, pacer, speculator
+        self.max_batched_tokens, self.max_num_seqs, self.overlap = max_batched_tokens, max_num_seqs, overlap
+        self.on_preempt = on_preempt  # before its blocks go: a preempted sequence sends what it holds
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.prefix_queried_tokens = self.prefix_hit_tokens = 0
+        self.step_flops = 0.0  # of the step last scheduled, priced by the PrefillPacer
+
+    def __len__(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def drop(self, seq: Sequence) -> None:
+        """`seq` is done (ended or aborted): its blocks go back."""
+        seq.done = True
+        self.blocks.release(seq.blocks)
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def schedule(self) -> list[tuple[Sequence, int]]:
+        """(sequence, tokens this step): a decode for each running one, then prefill chunks within the budget and pacer."""
+        budget = self.max_batched_tokens
+        self.step_flops = 0.0
+        scheduled: list[tuple[Sequence, int]] = []
+        preempted: set[int] = set()
+        for seq in list(self.running):
+            if id(seq) in preempted:
+                continue  # preempted below to make room for an older one
+            while not self.blocks.can_grow(seq.blocks, seq.num_cached + 1):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.add(id(victim))
+                if victim is seq:
+                    break
+            else:
+                self.blocks.grow(seq.blocks, seq.num_cached + 1)
+                scheduled.append((seq, 1))
+                budget -= 1
+        if self.speculator.settings.num_tokens:
+            budget -= self.speculator.propose(scheduled, self.blocks, self.overlap)
+        if self.waiting and len(self.running) < self.max_num_seqs:  # a chunk may join: price the decodes
+            self.step_flops = sum(self.pacer.cost(count, seq.num_cached) for seq, count in scheduled)
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            starting = not seq.blocks
+            if starting:  # a prompt being scored needs every position's logits: none from the cache
+                seq.num_cached, queried = (0, 0) if seq.scores_prompt else self.blocks.match_prefix(seq.blocks, seq.tokens)
+            chunk = self.pacer.chunk(seq.num_cached, len(seq.tokens) - seq.num_cached, budget, self.step_flops)
+            if not self.blocks.can_grow(seq.blocks, seq.num_cached + chunk):
+                if starting:  # a waiting sequence holds no blocks until it runs
+                    self.blocks.release(seq.blocks)
+                    seq.num_cached = 0
+                break
+            if starting:
+                self.prefix_queried_tokens += queried
+                self.prefix_hit_tokens += seq.num_cached
+            self.blocks.grow(seq.blocks, seq.num_cached + chunk)
+            scheduled.append((seq, chunk))
+            budget -= chunk
+            self.step_flops += self.pacer.cost(chunk, seq.num_cached)
+            if seq.num_cached + chunk == len(seq.tokens):
+                self.running.append(self.waiting.popleft())
+            else:
+                break  # a chunked prefill goes on next step
+        return scheduled
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.on_preempt(seq)
+        self.blocks.release(seq.blocks)
+        seq.num_cached = 0
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
