@@ -13,7 +13,9 @@ each send their next request when the last one ends. Batch 1 is judged by its de
 after each stream's first over the time after it: prefill left out); batch 8 by completion tokens
 over the wall time, what a server at that concurrency serves (a static batch of 8 waits for its
 longest stream, which speculation shortens only when that stream repeats itself). Acceptance:
-accepted / proposed tokens, from the engine's counters.
+accepted / proposed tokens, from the engine's counters. lookup_bound: the share of the output tokens
+(speculation off) that follow an n-gram (n = speculative_ngram_min) met earlier in their prompt or
+output and followed there by the same token; n-gram proposals can have no more accepted.
 
 Writes bench/results/speculation_<device>[_<dtype> unless float32].json and .png.
 
@@ -117,7 +119,8 @@ def main() -> int:
     for row in rows:
         print(f"{row['workload']:8s} batch {row['batch']}: off {row['off_tokens_per_s']:.1f}, on {row['on_tokens_per_s']:.1f} "
               f"tok/s, speedup {row['speedup']:.2f} {row['speedups']}, acceptance {row['acceptance']:.2f}, "
-              f"{row['tokens_per_verify']:.2f} tokens a verify, identical {row['identical']}")
+              f"{row['tokens_per_verify']:.2f} tokens a verify, lookup bound {row['lookup_bound']:.2f}, "
+              f"identical {row['identical']}")
     return 0
 
 
@@ -171,6 +174,7 @@ async def measure(folder: Path, options, batches: list[int]) -> tuple[list[dict]
             req.prompt_token_ids = engine.encode(req)
             engine.prepare(req)
             waiting.append(req)
+        prompt_ids = [req.prompt_token_ids for req in waiting]
         replies = [None] * len(waiting)
 
         async def client() -> None:
@@ -187,7 +191,7 @@ async def measure(folder: Path, options, batches: list[int]) -> tuple[list[dict]
         decoded = sum(len(t) - 1 for t, _, _ in replies)
         return {"tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall,
                 "decode_tokens_per_s": decoded / sum(end - first for _, first, end in replies),
-                "lengths": [len(t) for t, _, _ in replies], "outputs": [t for t, _, _ in replies],
+                "lengths": [len(t) for t, _, _ in replies], "outputs": [t for t, _, _ in replies], "prompts": prompt_ids,
                 "verifies": after[0] - before[0], "proposed": after[1] - before[1], "accepted": after[2] - before[2]}
 
     try:
@@ -217,6 +221,8 @@ async def measure(folder: Path, options, batches: list[int]) -> tuple[list[dict]
                     "tokens_per_verify": (accepted + verifies) / verifies if verifies else 0.0,
                     "proposed": proposed, "accepted": accepted, "verifies": verifies,
                     "identical": all(a["outputs"] == b["outputs"] for a, b in zip(runs[False], runs[True])),
+                    "lookup_bound": lookup_bound(runs[False][0]["prompts"], runs[False][0]["outputs"],
+                                                 engine.speculator.settings.ngram_min),
                     "lengths": runs[False][0]["lengths"]})
                 print(f"{workload} batch {batch}: speedups {[round(s, 3) for s in speedups]}", flush=True)
         s = engine.speculator.settings
@@ -226,6 +232,21 @@ async def measure(folder: Path, options, batches: list[int]) -> tuple[list[dict]
         rag.close()
         work.cleanup()
         await engine.unload_model()
+
+
+def lookup_bound(prompts: list[list[int]], outputs: list[list[int]], n: int) -> float:
+    """The share of output tokens that follow an n-gram seen earlier in their prompt or output,
+    followed there by the same token: at most what n-gram lookup can propose and see accepted."""
+    hits = total = 0
+    for prompt, output in zip(prompts, outputs):
+        tokens, seen = prompt + output, {}
+        for j in range(n, len(tokens)):
+            context = tuple(tokens[j - n:j])
+            if j >= len(prompt):
+                total += 1
+                hits += tokens[j] in seen.get(context, ())
+            seen.setdefault(context, set()).add(tokens[j])
+    return hits / total if total else 0.0
 
 
 def plot(result: dict, path: Path) -> None:
