@@ -336,3 +336,27 @@ async def test_speculation_gives_the_same_tokens_on_cuda(tiny_llama, eager):
         assert engine.num_unfinished() == 0 and engine.blocks.num_free == engine.blocks.num_blocks
     finally:
         await engine.unload_model()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels run on CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_projection_takes_the_norm_before_it_as_it_reads_its_row(dtype):
+    """One row's residual add and RMS norm inside the next projection's kernel: the residual stream
+    to the bit, the projection as the norm kernel and the projection give it (the sum of squares
+    adds up in another order)."""
+    from worker.engines.native.elementwise import Elementwise
+    from worker.engines.native.gemv import RowLinear
+
+    torch.manual_seed(0)
+    ops = Elementwise()
+    ops.use_triton()
+    for n, k in ((3072, 2048), (1001, 576)):  # SmolLM2's width: a row that is not a power of two
+        linear = RowLinear(torch.nn.Linear(k, n, bias=n == 1001, device="cuda", dtype=dtype))
+        x, residual = (torch.randn(1, k, device="cuda", dtype=dtype) for _ in range(2))
+        weight = torch.rand(k, device="cuda", dtype=dtype) + 0.5
+        total, out = linear.after_add_rms_norm(x, residual, weight, 1e-5)
+        want_total, h = ops.add_rms_norm(x, residual, weight, 1e-5)
+        assert torch.equal(total, want_total)
+        tolerance = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+        torch.testing.assert_close(out, linear(h), **tolerance)
+        assert linear.after_add_rms_norm(x.repeat(2, 1), residual.repeat(2, 1), weight, 1e-5) is None  # rows: two kernels

@@ -43,6 +43,15 @@ class RowLinear(nn.Module):
         out = self._through_kernel(gate_up, gated=True)
         return out if out is not None else self(silu_and_mul(gate_up))
 
+    def after_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(x + residual, linear(rms_norm(x + residual))) for one row in one kernel, rounded as
+        elementwise.add_rms_norm rounds; None where that does not apply."""
+        if (x.shape[0] != 1 or not x.is_cuda or x.stride(-1) != 1 or residual.stride(-1) != 1
+                or x.shape[1] > NORMED_MAX):
+            return None
+        return gemv_after_norm(x, residual, norm_weight, eps, self.linear.weight, self.linear.bias)
+
     def _through_kernel(self, x: torch.Tensor, gated: bool) -> torch.Tensor | None:
         """x's product through gemv or few_rows, or None where torch's linear serves it better."""
         if not x.is_cuda or x.stride(-1) != 1:  # the kernels read x's rows as contiguous
@@ -66,18 +75,38 @@ a norm kernel and launched with PDL (us, cuBLAS's in brackets): qkv 8.1 (8.6), o
 faster (down 18.7 against 19.7), so more rows go to it."""
 
 
+NORMED_MAX = 8192
+"""Widest row whose norm gemv_after_norm takes (each program holds the whole row once)."""
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool = False) -> torch.Tensor:
     """x (1, K) @ weight (N, K).T (+ bias): (1, N) in x's dtype, accumulated in fp32. gated: x is
     (1, 2K), [gate | up], and silu(gate) * up is what multiplies the weight, rounded as
     elementwise.silu_and_mul rounds it (so the result is the same to the bit, one kernel fewer)."""
+    return _gemv(x, weight, bias, gated=gated)
+
+
+def gemv_after_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                    weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(total, gemv(rms_norm(total) * norm_weight, weight, bias)), total = x + residual, both (1, K):
+    a layer's norm inside its next projection (a kernel fewer; every program normalizes the row,
+    program 0 writes total). The row's sum of squares adds up in another order than the norm
+    kernel's, so the normalized row may differ from it in the last bit."""
+    total = torch.empty_like(x)
+    return total, _gemv(x, weight, bias, norm=(residual, norm_weight, total, eps))
+
+
+def _gemv(x, weight, bias, gated=False, norm=None):
     n, k = weight.shape
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     rows = 8 if n >= 3072 else 4  # the fastest for the shapes above: more programs for the narrow ones
     tile = min(2048, triton.next_power_of_2(k))  # with PDL a whole 2048-wide row is read before the wait
     early = pdl.supported(x.device)
+    residual, norm_weight, total, eps = norm or (x, x, x, 0.0)
     _gemv_kernel[(triton.cdiv(n, rows),)](
-        x, weight, bias if bias is not None else weight, out, n, k, weight.stride(0), HAS_BIAS=bias is not None,
-        EVEN_K=k % tile == 0, GATED=gated, BN=rows, BK=tile, PDL=early, num_warps=8, num_stages=4 if k >= 8192 else 3,
+        x, weight, bias if bias is not None else weight, out, residual, norm_weight, total, eps, n, k, weight.stride(0),
+        HAS_BIAS=bias is not None, EVEN_K=k % tile == 0, GATED=gated, NORM=norm is not None,
+        ROW=triton.next_power_of_2(k), BN=rows, BK=tile, PDL=early, num_warps=8, num_stages=4 if k >= 8192 else 3,
         launch_pdl=early)
     return out
 
@@ -122,20 +151,28 @@ if triton is not None:
                  mask=(rows < M)[:, None] & (cols < N)[None, :])
 
     @triton.jit
-    def _row_tile(x_ptr, ks, K, GATED: tl.constexpr):
+    def _row_tile(x_ptr, ks, K, residual_ptr, norm_ptr, scale, GATED: tl.constexpr, NORM: tl.constexpr):
         """x's values at ks, in fp32; GATED: silu(gate) * up from x = [gate | up], rounded to x's dtype at
-        each step as _silu_mul_kernel rounds."""
+        each step as _silu_mul_kernel rounds; NORM: norm * rms_norm(x + residual), `scale` the row's
+        1 / rms, rounded as _norm_kernel rounds."""
         mask = ks < K
         if GATED:
             gate = tl.load(x_ptr + ks, mask=mask, other=0.0).to(tl.float32)
             up = tl.load(x_ptr + K + ks, mask=mask, other=0.0).to(tl.float32)
             act = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty).to(tl.float32)
             return (act * up).to(x_ptr.dtype.element_ty).to(tl.float32)
+        if NORM:
+            total = tl.load(x_ptr + ks, mask=mask, other=0.0).to(tl.float32)
+            total += tl.load(residual_ptr + ks, mask=mask, other=0.0).to(tl.float32)
+            normed = (total.to(x_ptr.dtype.element_ty).to(tl.float32) * scale).to(x_ptr.dtype.element_ty).to(tl.float32)
+            weight = tl.load(norm_ptr + ks, mask=mask, other=0.0).to(tl.float32)
+            return (weight * normed).to(x_ptr.dtype.element_ty).to(tl.float32)
         return tl.load(x_ptr + ks, mask=mask, other=0.0).to(tl.float32)
 
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_w, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-                     GATED: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
+    def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, residual_ptr, norm_ptr, total_ptr, eps, N, K, stride_w,
+                     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
+                     ROW: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
         rows = tl.program_id(0) * BN + tl.arange(0, BN)
         # The first tile of W, read before the wait: no kernel writes the weights.
         ks = tl.arange(0, BK)
@@ -144,14 +181,24 @@ if triton is not None:
             mask = mask & (ks[None, :] < K)
         w = tl.load(w_ptr + rows[:, None] * stride_w + ks[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
         pdl.wait_for_previous(PDL)
-        acc = w.to(tl.float32) * _row_tile(x_ptr, ks, K, GATED)[None, :]
+        scale = 1.0
+        if NORM:  # the whole row's sum of squares first, as _norm_kernel takes it
+            row = tl.arange(0, ROW)
+            total = tl.load(x_ptr + row, mask=row < K, other=0.0).to(tl.float32)
+            total += tl.load(residual_ptr + row, mask=row < K, other=0.0).to(tl.float32)
+            total = total.to(x_ptr.dtype.element_ty)
+            if tl.program_id(0) == 0:
+                tl.store(total_ptr + row, total, mask=row < K)
+            total = total.to(tl.float32)
+            scale = tl.rsqrt(tl.sum(total * total, axis=0) / K + eps)
+        acc = w.to(tl.float32) * _row_tile(x_ptr, ks, K, residual_ptr, norm_ptr, scale, GATED, NORM)[None, :]
         for start in range(BK, K, BK):
             ks = start + tl.arange(0, BK)
             mask = rows[:, None] < N
             if not EVEN_K:
                 mask = mask & (ks[None, :] < K)
             w = tl.load(w_ptr + rows[:, None] * stride_w + ks[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
-            acc += w.to(tl.float32) * _row_tile(x_ptr, ks, K, GATED)[None, :]
+            acc += w.to(tl.float32) * _row_tile(x_ptr, ks, K, residual_ptr, norm_ptr, scale, GATED, NORM)[None, :]
         out = tl.sum(acc, 1)
         if HAS_BIAS:
             out += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)

@@ -170,6 +170,16 @@ class RMSNorm(nn.Module):
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
+    def then(self, linear: nn.Module, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + residual, linear(its norm)): the residual stream and the next sublayer's projection
+        (residual None: x itself). One row on CUDA takes one kernel (RowLinear.after_add_rms_norm)."""
+        if residual is not None and isinstance(linear, RowLinear):
+            fused = linear.after_add_rms_norm(x, residual, self.weight, self.eps)
+            if fused is not None:
+                return fused
+        residual, h = (x, self(x)) if residual is None else self.add(x, residual)
+        return residual, linear(h)
+
 
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, ops: Elementwise):
@@ -182,10 +192,11 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, sum(self.sizes), bias=config.qkv_bias)
         self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=config.o_bias)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: Batch,
+    def forward(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: Batch,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        """The layer's attention output from its qkv projection (DecoderLayer runs qkv_proj with the norm)."""
+        tokens = qkv.shape[0]
+        q, k, v = qkv.split(self.sizes, dim=-1)
         # k_cache, v_cache: (num_blocks * block_size, kv_heads, head_dim), written slot by slot.
         q, k = rope_and_store(q.reshape(tokens, self.num_heads, self.head_dim),
                               k.reshape(tokens, self.num_kv_heads, self.head_dim),
@@ -215,12 +226,10 @@ class DecoderLayer(nn.Module):
     def forward(self, x, residual, cos, sin, batch, k_cache, v_cache):
         """(this layer's MLP output, the residual stream before it): the next layer's norm adds them
         in the same kernel (the first layer's gets residual None)."""
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            residual, h = self.input_layernorm.add(x, residual)
-        residual, h = self.post_attention_layernorm.add(self.self_attn(h, cos, sin, batch, k_cache, v_cache), residual)
-        return self.mlp(h), residual
+        residual, qkv = self.input_layernorm.then(self.self_attn.qkv_proj, x, residual)
+        attended = self.self_attn(qkv, cos, sin, batch, k_cache, v_cache)
+        residual, gate_up = self.post_attention_layernorm.then(self.mlp.gate_up_proj, attended, residual)
+        return self.mlp(gate_up), residual
 
 
 class MLP(nn.Module):
@@ -230,8 +239,8 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The MLP's output from its gate/up projection (DecoderLayer runs gate_up_proj with the norm)."""
         if isinstance(self.down_proj, RowLinear):  # CUDA: one row's activation inside the down projection's kernel
             return self.down_proj.after_silu_and_mul(gate_up, self.ops.silu_and_mul)
         return self.down_proj(self.ops.silu_and_mul(gate_up))
@@ -274,6 +283,7 @@ class LlamaModel(nn.Module):
                 x, residual = layer(x, residual, cos, sin, batch, k_caches[index], v_caches[index])
         if len(batch.last_token_index) < len(batch.input_ids):  # else every token is a decode, its sequence's last
             x, residual = x[batch.last_token_index], residual[batch.last_token_index]
+        # Not the norm inside the LM head's kernel: its 16k programs would each read the whole row.
         return self.lm_head(self.norm.add(x, residual)[1])
 
     def gather_decode_weights(self) -> None:
