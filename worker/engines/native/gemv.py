@@ -96,7 +96,9 @@ def gemv_after_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.
     return total, _gemv(x, weight, bias, norm=(residual, norm_weight, total, eps))
 
 
-def _gemv(x, weight, bias, gated=False, norm=None):
+def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool = False,
+          norm: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
+    """The matrix-vector kernel's launch; norm: (residual, norm weight, total out, eps)."""
     n, k = weight.shape
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     rows = 8 if n >= 3072 else 4  # the fastest for the shapes above: more programs for the narrow ones
