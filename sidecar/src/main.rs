@@ -23,6 +23,7 @@ mod response;
 mod routing;
 mod tools;
 mod trace;
+mod watcher;
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -38,7 +39,8 @@ use crate::config::Args;
 use crate::gateway::Gateway;
 use crate::grpc::{auth_interceptor, InferenceProxy};
 use crate::listener::{Limits, Listener};
-use crate::pool::{Pool, Watch};
+use crate::pool::Pool;
+use crate::watcher::Watch;
 use crate::proto::inference_service_server::InferenceServiceServer;
 use crate::ratelimit::RateLimits;
 

@@ -1,68 +1,25 @@
-//! The workers behind the sidecar: one lazy channel per socket, models from GetInfo, readiness from
-//! a grpc.health.v1 Watch stream, load from GetLoad, and outstanding requests counted here.
+//! The workers behind the sidecar: one lazy channel per socket, what watcher.rs learns of each (models
+//! from GetInfo, readiness from a grpc.health.v1 Watch stream, load from GetLoad), and outstanding
+//! requests counted here.
 
 use std::collections::BTreeSet;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use hyper_util::rt::TokioIo;
 use tokio::net::UnixStream;
 use tonic::transport::{Channel, Endpoint, Uri};
-use tonic_health::pb::health_client::HealthClient;
-use tonic_health::pb::health_check_response::ServingStatus;
-use tonic_health::pb::HealthCheckRequest;
 use tower::service_fn;
 
 use crate::breaker::Breaker;
 use crate::cache_index::{self, CacheView};
 use crate::config::Args;
-use crate::proto::worker_control_client::WorkerControlClient;
+use crate::watcher::{self, Watch};
 use crate::proto::predict_request::Input;
 use crate::proto::structured_output::Kind;
-use crate::proto::{Capabilities, GetInfoRequest, GetLoadRequest, PredictRequest, WorkerInfo, WorkerLoad, INFERENCE_SERVICE};
-
-/// How the sidecar talks to and watches its workers (from the flags).
-#[derive(Clone, Debug)]
-pub struct Watch {
-    pub keepalive_interval: Duration,
-    pub keepalive_timeout: Duration,
-    pub load_poll: Duration,
-    pub probe_timeout: Duration,
-    pub cache_event_max_bytes: usize,
-}
-
-impl Watch {
-    pub fn from_args(args: &Args) -> Self {
-        Self {
-            keepalive_interval: Duration::from_secs_f64(args.worker_keepalive_interval_s),
-            keepalive_timeout: Duration::from_secs_f64(args.worker_keepalive_timeout_s),
-            load_poll: Duration::from_secs_f64(args.load_poll_s),
-            probe_timeout: Duration::from_secs_f64(args.worker_probe_timeout_s),
-            cache_event_max_bytes: args.cache_event_max_bytes,
-        }
-    }
-
-    /// Why this sidecar's pings would get the worker's connection closed, if they would.
-    pub fn keepalive_conflict(&self, info: &WorkerInfo) -> Option<String> {
-        let interval_ms = self.keepalive_interval.as_millis();
-        if u128::from(info.min_ping_interval_ms) > interval_ms {
-            return Some(format!(
-                "the worker accepts a ping every {} ms at most and this sidecar pings every {interval_ms} ms: it \
-                 would close the connection, and every stream on it, after a silence; raise \
-                 --worker-keepalive-interval-s or lower the worker's server.keepalive_min_ping_interval_s",
-                info.min_ping_interval_ms
-            ));
-        }
-        if info.min_ping_interval_ms > 0 && !info.permit_pings_without_calls {
-            return Some("the worker refuses pings on idle connections (server.keepalive_permit_without_calls: \
-                         false), which this sidecar sends to notice a hung worker"
-                .into());
-        }
-        None
-    }
-}
+use crate::proto::{Capabilities, PredictRequest, WorkerLoad};
 
 pub struct Worker {
     /// Short label for metrics and logs: w0, w1, ...
@@ -70,18 +27,22 @@ pub struct Worker {
     pub socket: PathBuf,
     pub channel: Channel,
     pub breaker: Breaker,
-    models: RwLock<Vec<String>>,
+    pub(crate) models: RwLock<Vec<String>>,
     /// What its engine does beyond plain text (GetInfo).
-    capabilities: RwLock<Capabilities>,
+    pub(crate) capabilities: RwLock<Capabilities>,
     /// The worker's own health: its inference service SERVING.
-    ready: AtomicBool,
+    pub(crate) ready: AtomicBool,
     /// It answered its last GetLoad within the probe timeout.
-    responsive: AtomicBool,
+    pub(crate) responsive: AtomicBool,
     /// Set when the worker's settings and this sidecar's cannot work together.
-    misconfigured: RwLock<Option<String>>,
+    pub(crate) misconfigured: RwLock<Option<String>>,
     outstanding: AtomicUsize,
     /// Its last GetLoad answer.
     last_load: RwLock<WorkerLoad>,
+    /// GetLoad answers so far, and our requests that ended since the last one but began before it
+    /// (which that answer may still count as running).
+    polls: AtomicU64,
+    ended_since_poll: AtomicU64,
     /// What its prefix cache holds (cache_index::follow).
     pub cache: CacheView,
 }
@@ -112,6 +73,8 @@ impl Worker {
             misconfigured: RwLock::new(None),
             outstanding: AtomicUsize::new(0),
             last_load: RwLock::new(WorkerLoad::default()),
+            polls: AtomicU64::new(0),
+            ended_since_poll: AtomicU64::new(0),
             cache: CacheView::default(),
         })
     }
@@ -170,10 +133,21 @@ impl Worker {
     }
 
     /// What routing compares: our own outstanding requests, or the worker's running + queued
-    /// when other clients keep it busier than we know.
+    /// when other clients keep it busier than we know, less our requests that ended since it said
+    /// so. Without that, a worker just left by our last request looked busy until the next poll,
+    /// and the cache-aware choice priced its queue at a request it no longer had.
     pub fn load(&self) -> u64 {
         let last = self.last_load.read().unwrap();
-        (self.outstanding.load(Ordering::Relaxed) as u64).max(u64::from(last.running + last.queued))
+        let polled = u64::from(last.running + last.queued).saturating_sub(self.ended_since_poll.load(Ordering::Relaxed));
+        (self.outstanding.load(Ordering::Relaxed) as u64).max(polled)
+    }
+
+    /// A GetLoad answer.
+    pub(crate) fn set_last_load(&self, load: WorkerLoad) {
+        let mut last = self.last_load.write().unwrap();
+        *last = load;
+        self.ended_since_poll.store(0, Ordering::Relaxed);
+        self.polls.fetch_add(1, Ordering::Relaxed);
     }
 
     pub fn outstanding(&self) -> usize {
@@ -183,15 +157,21 @@ impl Worker {
     /// Counts a request against this worker until the guard drops.
     pub fn begin(self: &Arc<Self>) -> OutstandingGuard {
         self.outstanding.fetch_add(1, Ordering::Relaxed);
-        OutstandingGuard(self.clone())
+        OutstandingGuard(self.clone(), self.polls.load(Ordering::Relaxed))
     }
 }
 
-pub struct OutstandingGuard(Arc<Worker>);
+/// The worker, and how many GetLoad answers it had when the request began.
+pub struct OutstandingGuard(Arc<Worker>, u64);
 
 impl Drop for OutstandingGuard {
     fn drop(&mut self) {
-        self.0.outstanding.fetch_sub(1, Ordering::Relaxed);
+        let worker = &self.0;
+        let _last = worker.last_load.read().unwrap(); // not between an answer and its reset
+        worker.outstanding.fetch_sub(1, Ordering::Relaxed);
+        if worker.polls.load(Ordering::Relaxed) > self.1 {
+            worker.ended_since_poll.fetch_add(1, Ordering::Relaxed);
+        }
     }
 }
 
@@ -286,90 +266,9 @@ impl Pool {
     /// Keeps each worker's models, readiness, responsiveness and load current until the process ends.
     pub fn spawn_watchers(&self, watch: &Watch) {
         for worker in &self.workers {
-            tokio::spawn(watch_health(worker.clone(), watch.clone()));
-            tokio::spawn(poll_load(worker.clone(), watch.clone()));
+            tokio::spawn(watcher::watch_health(worker.clone(), watch.clone()));
+            tokio::spawn(watcher::poll_load(worker.clone(), watch.clone()));
             tokio::spawn(cache_index::follow(worker.clone(), watch.cache_event_max_bytes));
-        }
-    }
-}
-
-async fn watch_health(worker: Arc<Worker>, watch: Watch) {
-    let mut backoff = Duration::from_millis(100);
-    loop {
-        match watch_once(&worker, &watch).await {
-            Ok(()) => backoff = Duration::from_millis(100),
-            Err(error) => tracing::debug!(worker = %worker.name, %error, "health watch ended"),
-        }
-        if worker.is_ready() {
-            tracing::warn!(worker = %worker.name, socket = %worker.socket.display(), "worker not ready");
-        }
-        worker.set_ready(false);
-        tokio::time::sleep(backoff).await;
-        backoff = (backoff * 2).min(Duration::from_secs(2));
-    }
-}
-
-/// Follows the inference service's health until the stream breaks, reading the worker's models
-/// (GetInfo) each time it turns ready: a worker still loading has none to report yet.
-async fn watch_once(worker: &Arc<Worker>, watch: &Watch) -> Result<(), tonic::Status> {
-    let mut control = WorkerControlClient::new(worker.channel.clone());
-    let mut health = HealthClient::new(worker.channel.clone());
-    let mut updates =
-        health.watch(HealthCheckRequest { service: INFERENCE_SERVICE.to_string() }).await?.into_inner();
-    while let Some(update) = updates.message().await? {
-        let ready = update.status == ServingStatus::Serving as i32;
-        if ready {
-            let info = control.get_info(GetInfoRequest {}).await?.into_inner();
-            let conflict = watch.keepalive_conflict(&info);
-            if let Some(conflict) = &conflict {
-                tracing::error!(worker = %worker.name, %conflict, "worker not routed to: keepalive settings conflict");
-            } else if info.min_ping_interval_ms == 0 {
-                tracing::warn!(worker = %worker.name, "worker reports no keepalive policy (an older worker?); \
-                               it may close long silent streams");
-            }
-            *worker.misconfigured.write().unwrap() = conflict;
-            *worker.models.write().unwrap() = info.models;
-            *worker.capabilities.write().unwrap() = info.capabilities.unwrap_or_default();
-        }
-        if ready != worker.is_ready() {
-            tracing::info!(worker = %worker.name, ready, models = ?worker.models(), "worker readiness");
-        }
-        worker.set_ready(ready);
-    }
-    Ok(())
-}
-
-/// Reads the worker's load, and so finds out whether it answers at all: a stopped or wedged
-/// worker keeps its socket and its health Watch stream open and simply goes quiet.
-async fn poll_load(worker: Arc<Worker>, watch: Watch) {
-    let mut control = WorkerControlClient::new(worker.channel.clone());
-    let mut ticker = tokio::time::interval(watch.load_poll);
-    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        ticker.tick().await;
-        if !worker.ready.load(Ordering::Acquire) {
-            continue; // not serving (loading, or gone): the health watch says so already
-        }
-        let mut request = tonic::Request::new(GetLoadRequest {});
-        request.set_timeout(watch.probe_timeout);
-        let answered = match tokio::time::timeout(watch.probe_timeout, control.get_load(request)).await {
-            Ok(Ok(load)) => {
-                *worker.last_load.write().unwrap() = load.into_inner();
-                true
-            }
-            // An error is an answer (the health watch handles a worker that went away); silence is not.
-            Ok(Err(status)) => !matches!(status.code(), tonic::Code::DeadlineExceeded | tonic::Code::Cancelled),
-            Err(_) => false,
-        };
-        if answered != worker.is_responsive() {
-            worker.responsive.store(answered, Ordering::Release);
-            if answered {
-                tracing::info!(worker = %worker.name, "worker answers again; routed to");
-            } else {
-                metrics::counter!("cyllm_sidecar_worker_unresponsive_total", "worker" => worker.name.clone()).increment(1);
-                tracing::warn!(worker = %worker.name, socket = %worker.socket.display(),
-                               probe_timeout_s = watch.probe_timeout.as_secs_f64(), "worker unresponsive; not routed to");
-            }
         }
     }
 }
@@ -379,24 +278,17 @@ mod tests {
     use super::*;
 
     #[tokio::test]
-    async fn keepalive_settings_are_checked_against_the_worker_s() {
-        let args = <Args as clap::Parser>::parse_from(["cy-llm-sidecar", "--worker", "unix:///tmp/w.sock"]);
-        let watch = Watch::from_args(&args);
-        let info = |ms, idle| WorkerInfo { min_ping_interval_ms: ms, permit_pings_without_calls: idle, ..Default::default() };
-        assert_eq!(watch.keepalive_conflict(&info(5_000, true)), None);
-        assert_eq!(watch.keepalive_conflict(&info(10_000, true)), None, "equal to the interval is accepted");
-        let strict = watch.keepalive_conflict(&info(300_000, true)).unwrap();
-        assert!(strict.contains("300000 ms") && strict.contains("--worker-keepalive-interval-s"), "{strict}");
-        assert!(watch.keepalive_conflict(&info(5_000, false)).unwrap().contains("idle connections"));
-        assert_eq!(watch.keepalive_conflict(&info(0, false)), None, "a worker that reports nothing is not refused");
-
-        let worker = Worker::fake("w0", &["m"], true);
-        assert!(worker.is_ready() && worker.problem().is_none());
-        worker.set_responsive(false);
-        assert!(!worker.is_ready());
-        assert!(worker.problem().unwrap().contains("unresponsive"));
-        worker.set_responsive(true);
-        *worker.misconfigured.write().unwrap() = Some(strict);
-        assert!(!worker.is_ready());
+    async fn a_request_that_ended_since_the_last_poll_no_longer_loads_its_worker() {
+        let worker = Arc::new(Worker::fake("w0", &["m"], true));
+        let before = worker.begin(); // began before the poll, which counts it
+        worker.set_last_load(WorkerLoad { running: 2, queued: 1, ..Default::default() }); // and another client's two
+        let after = worker.begin(); // began after it: the poll did not count it
+        assert_eq!(worker.load(), 3);
+        drop(after);
+        assert_eq!(worker.load(), 3, "what the poll counted stays until the next");
+        drop(before);
+        assert_eq!(worker.load(), 2, "the poll counted this one, which has ended");
+        worker.set_last_load(WorkerLoad { running: 2, ..Default::default() });
+        assert_eq!(worker.load(), 2);
     }
 }
