@@ -16,10 +16,10 @@ use tower::service_fn;
 use crate::breaker::Breaker;
 use crate::cache_index::{self, CacheView};
 use crate::config::Args;
-use crate::watcher::{self, Watch};
 use crate::proto::predict_request::Input;
 use crate::proto::structured_output::Kind;
 use crate::proto::{Capabilities, PredictRequest, WorkerLoad};
+use crate::watcher::{self, Watch};
 
 pub struct Worker {
     /// Short label for metrics and logs: w0, w1, ...
