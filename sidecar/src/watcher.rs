@@ -56,6 +56,7 @@ impl Watch {
     }
 }
 
+/// Keeps the worker's readiness current: its health watch, begun again (with backoff) when it breaks.
 pub async fn watch_health(worker: Arc<Worker>, watch: Watch) {
     let mut backoff = Duration::from_millis(100);
     loop {
