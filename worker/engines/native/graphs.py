@@ -34,12 +34,8 @@ class DecodeGraphs:
         self.input_ids, self.positions, self.slots, self.lens = self.packed
         self.slots.fill_(scratch_slot)
         self.tables = torch.zeros(largest, max_blocks, dtype=torch.int32, device=device)
-        # Their host side, pinned: a step writes its inputs there in place (numpy views, no Python
-        # lists turned into tensors) and they go over without blocking the engine thread.
-        self.host_packed = torch.zeros(4, largest, dtype=torch.long, pin_memory=True)
-        self.host_tables = torch.zeros(largest, max_blocks, dtype=torch.int32, pin_memory=True)
-        # Per row, whose block table the host buffer holds: (sequence, times released, length).
-        self._tables_of: list[tuple | None] = [None] * largest
+        # Their host side, pinned: written in place, it goes over without blocking the engine thread.
+        self.host = HostInputs(largest, max_blocks, pin=True)
         self.copied = torch.cuda.Event()
         self.rows = torch.arange(largest, device=device)  # every row is a last token
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -65,29 +61,61 @@ class DecodeGraphs:
     def max_batch(self) -> int:
         return self.sizes[-1]
 
-    def host_inputs(self) -> tuple[np.ndarray, np.ndarray]:
-        """(packed (4, max_batch): ids, positions, slots, lengths; tables (max_batch, max_blocks)) to
-        fill for the next run, once the last run's copies out of them are done."""
-        self.copied.synchronize()
-        return self.host_packed.numpy(), self.host_tables.numpy()
-
     def decode(self, seqs: list[Sequence], block_size: int, pending: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits (n, vocab) of one token for each of the n sequences, their inputs written straight
-        into the pinned host buffers (at batch 256 this was about a third of the engine thread's
-        step). `pending` (n,) on the device: each sequence's input is its token sampled by the step
-        still running, not yet on the host (the engine's launch-ahead). A sequence with proposals
-        (Sequence.draft, never with `pending`) has a row for its last token and one for each
-        proposal, in order."""
+        """Logits (n, vocab) of one token for each of the n sequences (rows as HostInputs writes
+        them). `pending` (n,) on the device: each sequence's input is its token sampled by the step
+        still running, not yet on the host (the engine's launch-ahead)."""
+        self.copied.synchronize()  # the last run's copies out of the host inputs are done
         if any(seq.draft for seq in seqs):
-            return self._decode_drafts(seqs, block_size)
-        (ids, positions, slots, lens), tables = self.host_inputs()
+            n, width = self.host.fill_drafts(seqs, block_size)
+        else:
+            n, width = self.host.fill(seqs, block_size, ahead=pending is not None)
+        return self.run(n, width, pending)
+
+    def run(self, n: int, width: int, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (n, vocab) of the n one-token decodes in rows [0, n) of the host inputs, whose block
+        tables are at most `width` long; valid until the next run. `input_ids` (n,) on the device
+        replace the host inputs' token ids."""
+        size = next(s for s in self.sizes if s >= n)
+        packed = self.host.packed.numpy()
+        packed[:, n:size] = 0  # padding rows: length 0, their K/V written to the scratch slot
+        packed[2, n:size] = self.scratch_slot
+        self.packed[:, :size].copy_(self.host.packed[:, :size], non_blocking=True)
+        self.tables[:n, :width].copy_(self.host.tables[:n, :width], non_blocking=True)
+        self.copied.record()
+        if input_ids is not None:
+            self.input_ids[:n].copy_(input_ids)
+        self.graphs[size].replay()
+        return self.logits[size][:n]
+
+
+class HostInputs:
+    """A decode step's inputs on the host, written in place: packed (4, rows) ids, positions,
+    slots, lengths; tables (rows, max_blocks). Numpy views, no Python lists turned into tensors: at
+    batch 256 writing them was about a third of the engine thread's step."""
+
+    def __init__(self, rows: int, max_blocks: int, pin: bool):
+        self.packed = torch.zeros(4, rows, dtype=torch.long, pin_memory=pin)
+        self.tables = torch.zeros(rows, max_blocks, dtype=torch.int32, pin_memory=pin)
+        # Per row, whose block table the buffer holds: (sequence, times released, length).
+        self._tables_of: list[tuple | None] = [None] * rows
+        self._ahead: list[Sequence] | None = None  # the rows of the last step launched ahead
+        self._width = 0  # the longest block table among them
+
+    def fill(self, seqs: list[Sequence], block_size: int, ahead: bool) -> tuple[int, int]:
+        """Row i: one token of seqs[i], its last known one, or with `ahead` the one after (its
+        pending token, whose id the device supplies). Returns (rows, the tables' width)."""
+        (ids, positions, slots, lens), tables = self.packed.numpy(), self.tables.numpy()
         n = len(seqs)
-        at = [len(seq.tokens) for seq in seqs] if pending is not None else [seq.num_cached for seq in seqs]
+        at = [len(seq.tokens) for seq in seqs] if ahead else [seq.num_cached for seq in seqs]
+        if ahead and seqs is self._ahead and np.array_equal(positions[:n] + 1, at):
+            return n, self._next_token(seqs, block_size)
+        self._ahead = seqs if ahead else None
         held = [seq.blocks.blocks for seq in seqs]
         positions[:n] = at
         lens[:n] = positions[:n] + 1
         slots[:n] = [table[p // block_size] * block_size + p % block_size for table, p in zip(held, at)]
-        if pending is None:
+        if not ahead:
             ids[:n] = [seq.tokens[p] for seq, p in zip(seqs, at)]
         # A row's table is written only when another sequence, or more blocks, took the row: a
         # block table changes every block_size tokens (at batch 256 the rewrite was 0.3 ms a step).
@@ -98,11 +126,33 @@ class DecodeGraphs:
                 tables[row, :len(table)] = table
                 filled[row] = key
             width = max(width, len(table))
-        return self.run(n, width, pending)
+        self._width = width
+        return n, width
 
-    def _decode_drafts(self, seqs: list[Sequence], block_size: int) -> torch.Tensor:
-        """decode() where some sequences have proposals: rows per sequence vary, written one by one."""
-        (ids, positions, slots, lens), tables = self.host_inputs()
+    def _next_token(self, seqs: list[Sequence], block_size: int) -> int:
+        """The rows of the step launched ahead before, one token further: each position, length
+        and slot plus one, but where a row enters a block, whose slot and table come from its
+        sequence (at batch 256 on a 2-core EPYC, 80 us a step against 180 for fill's pass over
+        every row). Returns the width."""
+        (_, positions, slots, lens), tables = self.packed.numpy(), self.tables.numpy()
+        n = len(seqs)
+        positions[:n] += 1
+        lens[:n] += 1
+        slots[:n] += 1
+        for row in np.flatnonzero(positions[:n] % block_size == 0).tolist():
+            seq, position = seqs[row], int(positions[row])
+            table = seq.blocks.blocks
+            slots[row] = table[position // block_size] * block_size
+            tables[row, :len(table)] = table
+            self._tables_of[row] = (seq, seq.blocks.released, len(table))
+            self._width = max(self._width, len(table))
+        return self._width
+
+    def fill_drafts(self, seqs: list[Sequence], block_size: int) -> tuple[int, int]:
+        """fill() where some sequences have proposals (Sequence.draft): a row for each one's last
+        token and one for each proposal, in order, written one by one. Returns (rows, width)."""
+        (ids, positions, slots, lens), tables = self.packed.numpy(), self.tables.numpy()
+        self._ahead = None
         width = row = 0
         for seq in seqs:
             position, table = seq.num_cached, seq.blocks.blocks
@@ -116,20 +166,4 @@ class DecodeGraphs:
                 row += 1
                 position += 1
             width = max(width, len(table))
-        return self.run(row, width)
-
-    def run(self, n: int, width: int, input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits (n, vocab) of the n one-token decodes in rows [0, n) of the host inputs, whose block
-        tables are at most `width` long; valid until the next run. `input_ids` (n,) on the device
-        replace the host inputs' token ids."""
-        size = next(s for s in self.sizes if s >= n)
-        packed = self.host_packed.numpy()
-        packed[:, n:size] = 0  # padding rows: length 0, their K/V written to the scratch slot
-        packed[2, n:size] = self.scratch_slot
-        self.packed[:, :size].copy_(self.host_packed[:, :size], non_blocking=True)
-        self.tables[:n, :width].copy_(self.host_tables[:n, :width], non_blocking=True)
-        self.copied.record()
-        if input_ids is not None:
-            self.input_ids[:n].copy_(input_ids)
-        self.graphs[size].replay()
-        return self.logits[size][:n]
+        return row, width
