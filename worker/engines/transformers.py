@@ -35,7 +35,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class _Sequence:
     stream: RequestStream
     request: GenerationRequest
-    generator: torch.Generator
+    generator: torch.Generator | None
     text: OutputText
     output_ids: list[int] = field(default_factory=list)
     cache: Any = None

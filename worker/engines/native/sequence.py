@@ -39,7 +39,8 @@ class Outbox:
 class Sequence:
     stream: RequestStream
     request: GenerationRequest
-    generator: torch.Generator
+    generator: torch.Generator | None
+    """None for a greedy request (sampler.make_generator)."""
     text: OutputText
     tokens: list[int]
     """Prompt then generated tokens: what the cache must hold (recomputed after a preemption)."""
