@@ -225,7 +225,7 @@ async def prefix_sharing(folder: Path, vocab: int) -> dict:
             await run_requests(engine, [system + [5, 6, 7]], 4)  # the system prompt seen once before
             result = await run_requests(engine, prompts, 64)
             result.pop("outputs")
-            result["prefix_hit_tokens"] = engine.prefix_hit_tokens
+            result["prefix_hit_tokens"] = engine.batcher.prefix_hit_tokens
             rows["on" if caching else "off"] = result
         finally:
             await engine.unload_model()
@@ -359,9 +359,8 @@ async def main() -> int:
                                                      result["copy_bandwidth_bytes_per_s"], result["matmul_peak_flops"],
                                                      prefix=index == 0 and not args.skip_prefix,
                                                      repeats=args.repeats))
-            for row in result["shapes"]:  # written as it goes: a later shape may not fit the time
-                RESULTS.mkdir(parents=True, exist_ok=True)
-                (RESULTS / "native_gpu.json").write_text(json.dumps(result, indent=2) + "\n")
+            RESULTS.mkdir(parents=True, exist_ok=True)  # written as it goes: a later shape may not fit the time
+            (RESULTS / "native_gpu.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(result, RESULTS / "native_gpu.png")
     print(f"wrote {RESULTS / 'native_gpu.json'} and native_gpu.png")
     return 0
