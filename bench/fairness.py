@@ -198,6 +198,7 @@ def summary(rows: list[dict]) -> dict:
         pick = lambda policy, scenario, flood=True: [  # noqa: E731
             r for r in rows if (r["tenants"], r["policy"], r["scenario"], r["flood"]) == (count, policy, scenario, flood)]
         fcfs, equal = {r["round"]: r for r in pick("fcfs", "backlogged")}, 1 / count
+        fcfs_latency = {r["round"]: r for r in pick("fcfs", "latency")}
         alone = ttft(pick("vtc", "latency", False))
         one = {}
         for policy in ("fcfs", "vtc", "vtc+headroom"):
@@ -209,6 +210,9 @@ def summary(rows: list[dict]) -> dict:
                 "throughput_vs_fcfs": statistics.median(r["tokens_per_s"] / fcfs[r["round"]]["tokens_per_s"]
                                                         for r in backlogged),
                 "throughput_vs_fcfs_rounds": [r["tokens_per_s"] / fcfs[r["round"]]["tokens_per_s"] for r in backlogged],
+                # With the light tenants under their share: what slots held for them cost the flood.
+                "latency_throughput_vs_fcfs": statistics.median(
+                    r["tokens_per_s"] / fcfs_latency[r["round"]]["tokens_per_s"] for r in pick(policy, "latency")),
                 "tokens_per_s": statistics.median(r["tokens_per_s"] for r in backlogged),
                 "requests_per_1k_tokens": statistics.median(r["requests_per_1k_tokens"] for r in backlogged),
                 "ttft_ms_backlogged": ttft(backlogged)["per_tenant"],
