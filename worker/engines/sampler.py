@@ -100,10 +100,10 @@ def apply_penalties(
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """Index of each row's first largest value. On CUDA torch's reduction takes one thread block a
     row: for a 128k vocabulary on an H100, about 0.1 ms for one row (7% of a batch-1 decode step),
-    28 us for 16 or 64 rows (2% of a batch-64 step) and 48 for 256. Here each row is split in chunks, each chunk's first maximum
-    taken, then the first chunk holding the row's maximum: 5.2, 7.4 and 27 us with Triton's two
-    kernels (64 chunks a row up to 16 rows, 16 past that); few rows without Triton as four of
-    torch's kernels (pad, max, argmax, gather: 18 us)."""
+    28 us for 16 or 64 rows (2% of a batch-64 step) and 48 for 256. Here each row is split in
+    chunks, each chunk's first maximum taken, then the first chunk holding the row's maximum: 5.2,
+    7.4 and 27 us with Triton's two kernels (64 chunks a row up to 16 rows, 16 past that); few rows
+    without Triton as four of torch's kernels (pad, max, argmax, gather: 18 us)."""
     rows, vocab = logits.shape
     fast = triton is not None and logits.stride(-1) == 1
     if not logits.is_cuda or vocab < 16384 or (rows > 16 and not fast):
