@@ -13,6 +13,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.conftest import REPO, running_worker, short_tmpdir
+from worker.config_loader import load_config
+from worker.engines.base import ModelInfo
+from worker.engines.threaded import ThreadedEngine
 from worker.gen.cyllm.inference.v1 import inference_pb2 as pb
 from worker.gen.cyllm.inference.v1 import inference_pb2_grpc as pb_grpc
 from worker.server import INFERENCE_SERVICE
@@ -216,3 +219,62 @@ async def test_what_the_worker_loaded_is_frozen_out_of_the_collector_once_ready(
     gc.unfreeze()
     async with running_worker() as (worker, _):
         assert worker.inference.ready and gc.get_freeze_count() > 0
+
+
+class SlowLoad(ThreadedEngine):
+    """A test double: a ThreadedEngine whose load lasts until the test lets it end (a large model's)."""
+
+    name = "slow-load"
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.finish_load = threading.Event()
+
+    def _load(self) -> None:
+        self.finish_load.wait(30)
+        self.info = ModelInfo("slow", 64, 32, 0)
+
+    def _serve(self) -> None:
+        while self._take_inbox(block=True):
+            pass
+
+    def _open_streams(self):
+        return []
+
+    def _release(self) -> None:
+        pass
+
+    def _on_add(self, item) -> None:
+        pass
+
+    def _on_abort(self, stream) -> None:
+        pass
+
+    def encode(self, request):
+        return []
+
+    def stream_predict(self, request):
+        raise NotImplementedError
+
+    def kv_budget_tokens(self) -> int:
+        return 0
+
+    def num_unfinished(self) -> int:
+        return 0
+
+
+async def test_stopping_while_the_model_loads_does_not_wait_for_the_load():
+    """SIGTERM during a load drains and unloads (server.py): the worker exits without waiting for a
+    load of minutes, and the engine thread, once loaded, stops."""
+    import asyncio
+
+    engine = SlowLoad(load_config(None, {"HOME": "/tmp"}))
+    load = asyncio.create_task(engine.load_model())
+    await asyncio.sleep(0.05)
+    thread = engine._thread
+    await asyncio.wait_for(engine.unload_model(), 5)
+    assert thread.is_alive() and engine.still_loading(), "the load was still running"
+    load.cancel()
+    engine.finish_load.set()
+    thread.join(5)
+    assert not thread.is_alive() and not engine.still_loading()

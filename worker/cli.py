@@ -197,7 +197,14 @@ def _serve(config: Config) -> int:
         print(f"cy-llm: configuration error: {exc}", file=sys.stderr)
         return 2
     try:
-        return _run_async(worker.run())
+        code = _run_async(worker.run())
+        if worker.engine.still_loading():
+            # Stopped mid-load: finalizing the interpreter around a thread inside the load's native
+            # code aborts the process (CUDA: "terminate called without an active exception").
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        return code
     except SocketInUse as exc:
         print(f"cy-llm: {exc}", file=sys.stderr)
         return 1

@@ -180,6 +180,11 @@ class BaseEngine(ABC):
     async def unload_model(self) -> None:
         """Stops the engine and gives its memory back; every open stream ends."""
 
+    def still_loading(self) -> bool:
+        """Whether a load that unload_model did not wait for still runs (the process must end
+        without finalizing around it)."""
+        return False
+
     @abstractmethod
     def encode(self, request: GenerationRequest) -> list[int]:
         """The prompt's token ids: the prompt text, or the chat rendered with the model's template."""

@@ -30,6 +30,8 @@ class ThreadedEngine(BaseEngine):
         self._dead: BaseException | None = None
         self._syncs = 0  # markers sent by _take_inbox(sync_s=...); a late one is ignored
         self._stopping = False
+        self._loaded: asyncio.Future | None = None  # settled once _load has returned or raised
+        self._abandoned: threading.Thread | None = None  # still loading when unload_model returned
 
     @abstractmethod
     def _load(self) -> None:
@@ -99,13 +101,14 @@ class ThreadedEngine(BaseEngine):
     async def load_model(self) -> ModelInfo:
         self._loop = asyncio.get_running_loop()
         self._stopping = False
-        loaded = self._loop.create_future()
-        self._thread = threading.Thread(target=self._thread_main, args=(loaded,), name=f"{self.name}-engine", daemon=True)
-        self._thread.start()
+        loaded = self._loaded = self._loop.create_future()
+        thread = self._thread = threading.Thread(target=self._thread_main, args=(loaded,), name=f"{self.name}-engine",
+                                                 daemon=True)
+        thread.start()
         try:
             await loaded
         except Exception:
-            await asyncio.to_thread(self._thread.join)
+            await asyncio.to_thread(thread.join)
             self._thread = None
             raise
         return self.info
@@ -113,9 +116,19 @@ class ThreadedEngine(BaseEngine):
     async def unload_model(self) -> None:
         if self._thread is not None:
             self._inbox.put(("stop", None))
+            if not self._loaded.done():
+                # Stopped while loading: a load runs to its end (minutes for a large model) and
+                # there is nothing to drain, so the worker does not wait; the thread stops once
+                # loaded, or ends with the process (a daemon).
+                log.warning("stopped while the model loads", engine=self.name)
+                self._abandoned, self._thread = self._thread, None
+                return
             await asyncio.to_thread(self._thread.join)
             self._thread = None
         self._release()
+
+    def still_loading(self) -> bool:
+        return self._abandoned is not None and self._abandoned.is_alive()
 
     def _refused(self, request_id: str) -> RequestStream | None:
         """A stream already failed, when the engine thread has died."""
