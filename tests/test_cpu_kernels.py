@@ -71,6 +71,22 @@ def test_a_folder_that_cannot_be_written_says_why_and_leaves_the_torch_paths(tmp
     assert kernels.load("", "default") == "off: engine.kernel_dir is empty"
 
 
+def test_a_lock_left_by_a_start_killed_in_the_build_holds_up_no_later_start():
+    """torch's lock file in the build folder, as a worker killed while holding it leaves it: the
+    next start clears it (under a flock of its own) instead of waiting on it forever."""
+    isa = kernels.resolve("auto")
+    assert kernels.load(KERNEL_DIR, isa) == "built"
+    folder = Path(KERNEL_DIR) / f"torch-{torch.__version__}-{kernels._build_key()}" / isa
+    (folder / "lock").touch()
+    probe = f"from worker.engines.native import kernels; print(kernels.load({KERNEL_DIR!r}, {isa!r}))"
+    try:
+        result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    finally:
+        stale = (folder / "lock").exists()
+        (folder / "lock").unlink(missing_ok=True)
+    assert result.stdout.split() == ["built"] and not stale, result.stderr
+
+
 def test_an_isa_this_cpu_cannot_run_is_refused_and_auto_is_its_best():
     runnable = runnable_isas(*this_cpu())
     assert kernels.resolve("auto") == runnable[0] and runnable[-1] == "default"

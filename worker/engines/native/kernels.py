@@ -26,6 +26,7 @@ greedy tokens (tests/test_native_engine.py runs both against HF) more slowly.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import platform
 from dataclasses import dataclass
@@ -85,8 +86,15 @@ def load(kernel_dir: str, isa: str) -> str:
 
             folder = Path(kernel_dir) / f"torch-{torch.__version__}-{_build_key()}" / isa
             folder.mkdir(parents=True, exist_ok=True)
-            build(name=f"cyllm_cpu_{isa}", sources=[str(s) for s in SOURCES], build_directory=str(folder),
-                  is_python_module=False, extra_cflags=compile_flags(isa), extra_ldflags=["-fopenmp"])
+            with open(folder / "build.flock", "a") as held:
+                # torch's own lock is a file that its holder deletes: one killed while building
+                # (or only checking the build, which every start does) leaves it, and every later
+                # start waits on it forever. The OS drops a flock however its holder ends, and while
+                # this one holds it no other start is in torch's build here: a lock file is stale.
+                fcntl.flock(held, fcntl.LOCK_EX)
+                (folder / "lock").unlink(missing_ok=True)
+                build(name=f"cyllm_cpu_{isa}", sources=[str(s) for s in SOURCES], build_directory=str(folder),
+                      is_python_module=False, extra_cflags=compile_flags(isa), extra_ldflags=["-fopenmp"])
         except (RuntimeError, OSError, ImportError) as exc:
             lines = str(exc).strip().splitlines()
             errors = [line.strip() for line in lines if "error" in line.lower()]  # a compiler's first error says most
