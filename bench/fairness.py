@@ -1,4 +1,4 @@
-"""Tenants sharing one worker (8 slots), FCFS against VTC (and VTC with headroom), in one run.
+"""Tenants sharing one worker (8 slots), FCFS against VTC (with headroom, with burst), in one run.
 
 The synthetic engine as a batched one (a token for every running request each 10 ms step) by
 default; --engine native runs the embedded model (SmolLM2-135M, ~20 ms steps), speculation off:
@@ -17,11 +17,12 @@ tenants:
   the light tenants alone. Reported: the light tenants' TTFT p50/p99 (all light tenants' requests
   of every round together) with the flood and alone.
 
-Policies: fcfs, vtc, and vtc+headroom (tenants.headroom_slots=3: the last three free slots go only
-to tenants holding less than their share, since admission cannot preempt a running request; three,
-so that three light tenants' requests in flight at once, as Poisson arrivals sometimes are, still
-start at once). Every round runs each policy once, in turn, so a shared machine's slow spell falls
-on all of them; throughput is the median over rounds of each round's ratio to FCFS.
+Policies: fcfs, vtc, vtc+headroom (tenants.headroom_slots=3: the last three free slots go only to
+tenants holding less than their share, since admission cannot preempt a running request; three, so
+that three light tenants' requests in flight at once, as Poisson arrivals sometimes are, still start
+at once) and vtc+burst (tenants.burst_slots=3: three slots above the eight, only for those tenants,
+so the flood keeps all eight). Every round runs each policy once, in turn, so a shared machine's
+slow spell falls on all of them; throughput is the median over rounds of each round's ratio to FCFS.
 
 Tenants are named in PredictRequest.metadata (x-gateway-inference-fairness-id), as the sidecar
 forwards them. Writes bench/results/fairness.json and fairness.png (fairness-native.* for native).
@@ -74,7 +75,8 @@ WORKLOADS = {
                        64, 16, 8, 0.5, 30.0, 3),
 }
 POLICIES = {"fcfs": ("--set", "tenants.policy=fcfs"), "vtc": ("--set", "tenants.policy=vtc"),
-            "vtc+headroom": ("--set", "tenants.policy=vtc", "--set", "tenants.headroom_slots=3")}
+            "vtc+headroom": ("--set", "tenants.policy=vtc", "--set", "tenants.headroom_slots=3"),
+            "vtc+burst": ("--set", "tenants.policy=vtc", "--set", "tenants.burst_slots=3")}
 
 
 class Run:
@@ -201,7 +203,7 @@ def summary(rows: list[dict]) -> dict:
         fcfs_latency = {r["round"]: r for r in pick("fcfs", "latency")}
         alone = ttft(pick("vtc", "latency", False))
         one = {}
-        for policy in ("fcfs", "vtc", "vtc+headroom"):
+        for policy in POLICIES:
             backlogged, shared = pick(policy, "backlogged"), ttft(pick(policy, "latency"))
             light_names = [t for t in alone["per_tenant"] if t != "flood"]
             one[policy] = {
@@ -237,12 +239,12 @@ def plot(result: dict, path: Path) -> None:
     fig, axes = plt.subplots(len(counts), 2, figsize=(11, 4 * len(counts)), squeeze=False)
     for (shares, latency), count in zip(axes, counts):
         backlogged = [r for r in result["rows"] if r["tenants"] == count and r["scenario"] == "backlogged"]
-        for offset, policy in zip((-0.27, 0, 0.27), POLICIES):
+        for offset, policy in zip((-0.3, -0.1, 0.1, 0.3), POLICIES):
             runs = [r for r in backlogged if r["policy"] == policy]
             names = list(runs[0]["share"])
             means = [statistics.mean(r["share"][n] for r in runs) for n in names]
             ratio = summary[f"{count}_tenants"][policy]["throughput_vs_fcfs"]
-            shares.bar([i + offset for i in range(len(names))], means, 0.26, label=f"{policy} ({ratio:.2f}x FCFS tok/s)")
+            shares.bar([i + offset for i in range(len(names))], means, 0.2, label=f"{policy} ({ratio:.2f}x FCFS tok/s)")
             shares.set_xticks(range(len(names)), names)
         shares.axhline(1 / count, color="k", lw=0.8, ls="--")
         shares.set_ylabel("share of tokens generated (backlogged)")

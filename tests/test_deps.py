@@ -234,6 +234,12 @@ def test_presets_fill_only_what_the_config_leaves_unset(registry):
     assert "engine.args.max_num_seqs" not in applied
     explicit = load_config(None, {"HOME": "/h", "CYLLM_RESOURCES__MAX_CONCURRENCY": "3"})
     assert apply_preset(explicit, preset, ())[0].resources.max_concurrency == 3
+    # Burst slots run above the limit, so the engine's batch grows by them unless set explicitly.
+    burst = load_config(None, {"HOME": "/h"}, {"tenants.burst_slots": 3})
+    applied_config, applied = apply_preset(burst, preset, ("max_num_seqs",))
+    assert (applied_config.resources.max_concurrency, applied_config.engine.args["max_num_seqs"]) == (512, 515)
+    assert applied["engine.args.max_num_seqs"] == 515
+    assert apply_preset(burst, preset, ())[0].engine.args.get("max_num_seqs") is None, "an engine without the key"
 
 
 def test_cpu_presets_pick_the_dtype_native_measured_fastest(registry):

@@ -197,6 +197,51 @@ async def test_headroom_keeps_slots_for_a_light_tenant_while_a_flood_holds_the_r
     assert scheduler.load().running == 0 and not scheduler.tenant_running
 
 
+async def test_burst_slots_start_a_light_tenant_above_the_limit_and_keep_the_flood_within_it():
+    def running(tasks):
+        return [t.result() for t in tasks if t.done() and not t.cancelled() and not t.result().released]
+
+    async def light_while_flooded(burst: int) -> tuple[TaskScheduler, list, list]:
+        scheduler = TaskScheduler(max_concurrency=8, max_queue=1000, queue_timeout_s=30.0, budget_tokens=10_000,
+                                  fairness=Fairness(burst_slots=burst))
+        flood = [asyncio.create_task(scheduler.admit(10, tenant="flood")) for _ in range(12)]
+        await asyncio.sleep(0)
+        light = [asyncio.create_task(scheduler.admit(10, tenant="light")) for _ in range(3)]
+        await asyncio.sleep(0)
+        return scheduler, flood, light
+
+    scheduler, flood, light = await light_while_flooded(0)
+    assert scheduler.load().running == 8 and not any(t.done() for t in light), "without burst the light one waits"
+    scheduler, flood, light = await light_while_flooded(2)
+    assert scheduler.tenant_running == {"flood": 8, "light": 2}, "two light requests start at once, above the 8"
+    # A flood request ends: the flood, at its share, starts again only below the 8; the light
+    # tenant, under its share of 4, takes the slot above them.
+    scheduler.release(running(flood)[0])
+    await asyncio.sleep(0)
+    assert scheduler.tenant_running == {"flood": 7, "light": 3} and all(t.done() for t in light)
+    # The light tenant done, the flood fills the 8 again and no more.
+    for grant in running(light):
+        scheduler.release(grant)
+    await asyncio.sleep(0)
+    assert scheduler.tenant_running == {"flood": 8} and scheduler.load().queued == 3
+    for task in flood:
+        task.cancel()
+    for task in flood:
+        with contextlib.suppress(asyncio.CancelledError):
+            scheduler.release(await task)
+    assert scheduler.load() == make(max_concurrency=8).load()
+    # A tenant alone is under its share until it holds all 8, and stops there.
+    scheduler = make(Fairness(burst_slots=2), max_concurrency=8)
+    alone = [asyncio.create_task(scheduler.admit(10, tenant="solo")) for _ in range(12)]
+    await asyncio.sleep(0)
+    assert scheduler.tenant_running == {"solo": 8}
+    for task in alone:
+        task.cancel()
+    for task in alone:
+        with contextlib.suppress(asyncio.CancelledError):
+            scheduler.release(await task)
+
+
 async def test_tenants_come_from_the_configured_key():
     fairness = Fairness(key="x-team")
     assert fairness.tenant_of({"x-team": "search"}) == "search"
@@ -221,7 +266,8 @@ def test_tenant_settings_are_checked_when_the_config_loads():
 
 async def test_a_soak_of_random_cancels_across_tenants_gives_everything_back():
     rng = random.Random(5)
-    fairness = Fairness(named={"t0": TenantLimits(max_concurrency=2), "t1": TenantLimits(weight=3, max_budget_share=0.4)})
+    fairness = Fairness(named={"t0": TenantLimits(max_concurrency=2), "t1": TenantLimits(weight=3, max_budget_share=0.4)},
+                        burst_slots=2)
     scheduler = make(fairness, max_concurrency=6, budget_tokens=2000, queue_timeout_s=0.2)
     outcomes = Counter()
 

@@ -215,8 +215,13 @@ class TenantsConfig:
     than max_concurrency / (tenants seen within recent_s), so a light tenant's request starts at
     once while a flood holds the rest (admission cannot preempt). Costs the flood up to N slots
     while a light tenant is between requests; none when it runs alone or everyone is backlogged."""
+    burst_slots: int = 0
+    """Slots above max_concurrency for tenants holding few (the headroom's test): a light tenant's
+    request starts while fewer than max_concurrency + N run, others' only below max_concurrency, so
+    a flood keeps every slot while light tenants are away. The engine runs up to max_concurrency +
+    N requests: its max_num_seqs must allow that (a registry preset sizes it so)."""
     recent_s: float = 30.0
-    """How long a tenant counts toward the headroom's shares after its last request."""
+    """How long a tenant counts toward the headroom's and burst's shares after its last request."""
 
     def validate(self) -> None:
         from worker.fairness import POLICIES, parse_limits
@@ -225,7 +230,7 @@ class TenantsConfig:
             raise ConfigError("tenants.key", "must be set")
         if self.policy not in POLICIES:
             raise ConfigError("tenants.policy", f"one of {', '.join(POLICIES)}")
-        for key in ("prompt_weight", "output_weight", "metric_tenants", "headroom_slots", "recent_s"):
+        for key in ("prompt_weight", "output_weight", "metric_tenants", "headroom_slots", "burst_slots", "recent_s"):
             _check_range(f"tenants.{key}", getattr(self, key), 0, 1e6)
         for name, spec in self.named.items():
             try:

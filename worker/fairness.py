@@ -75,7 +75,7 @@ class TenantStats:
 class Fairness:
     def __init__(self, *, key: str = "x-gateway-inference-fairness-id", policy: str = "vtc", prompt_weight: float = 1.0,
                  output_weight: float = 2.0, named: Mapping[str, TenantLimits] | None = None, metric_tenants: int = 20,
-                 headroom_slots: int = 0, recent_s: float = 30.0):
+                 headroom_slots: int = 0, burst_slots: int = 0, recent_s: float = 30.0):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}")
         self.key = key
@@ -85,6 +85,7 @@ class Fairness:
         self.named = dict(named or {})
         self.metric_tenants = metric_tenants
         self.headroom_slots = headroom_slots
+        self.burst_slots = burst_slots
         self.recent_s = recent_s
         self.counters: dict[str, float] = {}  # tenant -> virtual tokens served
         self.stats: dict[str, TenantStats] = {}  # metrics label -> counts
@@ -96,7 +97,8 @@ class Fairness:
         named = {name: parse_limits(f"tenants.named.{name}", spec) for name, spec in config.named.items()}
         return cls(key=config.key, policy=config.policy, prompt_weight=config.prompt_weight,
                    output_weight=config.output_weight, named=named, metric_tenants=config.metric_tenants,
-                   headroom_slots=config.headroom_slots, recent_s=config.recent_s)
+                   headroom_slots=config.headroom_slots, burst_slots=config.burst_slots,
+                   recent_s=config.recent_s)
 
     def tenant_of(self, metadata: Mapping[str, str]) -> str:
         name = metadata.get(self.key, "") or DEFAULT_TENANT

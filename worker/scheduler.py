@@ -215,8 +215,8 @@ class TaskScheduler:
                 and self._running < self._slots_for(tenant))
 
     def _saw(self, tenant: str, now: float) -> None:
-        """Counts the tenants active now or seen within fairness.recent_s (only the headroom reads it)."""
-        if not self.fairness.headroom_slots:
+        """Counts the tenants active now or seen within fairness.recent_s (the headroom and burst read it)."""
+        if not (self.fairness.headroom_slots or self.fairness.burst_slots):
             return
         self._seen[tenant] = now
         self._seen.move_to_end(tenant)
@@ -225,19 +225,21 @@ class TaskScheduler:
             self._seen.popitem(last=False)
         self._recent = max(1, len(self._seen.keys() | self.tenant_running.keys() | self._waiting.keys()))
 
+    def _light(self, tenant: str) -> bool:
+        """Whether `tenant` runs fewer than its share of the slots among the tenants seen lately."""
+        return self.tenant_running[tenant] < self.max_concurrency / self._recent
+
     def _slots_for(self, tenant: str) -> int:
-        """The slots `tenant` may fill: all, or all but the headroom once it holds its share of
-        them among the tenants seen lately (a light tenant between two requests keeps its share;
-        one alone, or tenants that all have work waiting, leave nothing idle)."""
-        headroom = min(self.fairness.headroom_slots, self.max_concurrency - 1)
-        if not headroom:
-            return self.max_concurrency
-        light = self.tenant_running[tenant] < self.max_concurrency / self._recent
-        return self.max_concurrency if light else self.max_concurrency - headroom
+        """The running requests under which `tenant` may start one. A tenant running fewer than its
+        share of the slots, among the tenants seen lately, may go burst_slots above them; one that
+        holds its share may fill them all but the headroom. So a light tenant between two requests
+        keeps its share, and one alone, or tenants that all have work waiting, leave nothing idle."""
+        if self._light(tenant):
+            return self.max_concurrency + self.fairness.burst_slots
+        return self.max_concurrency - min(self.fairness.headroom_slots, self.max_concurrency - 1)
 
     def _fits(self, cost: int, tenant: str) -> bool:
-        return (self._running < self.max_concurrency and self._budget_used + cost <= self.budget_total
-                and self._under_cap(cost, tenant))
+        return self._budget_used + cost <= self.budget_total and self._under_cap(cost, tenant)
 
     def _grant(self, cost: int, tenant: str, prompt_tokens: int, queued_s: float) -> Grant:
         self._running += 1
@@ -250,7 +252,7 @@ class TaskScheduler:
 
     def _next(self) -> _Waiter | None:
         """The head to admit next: by the fairness policy among the tenants under their caps (and
-        outside the headroom, for tenants that hold their share)."""
+        outside the headroom, or in a burst slot, by their share)."""
         best, best_key = None, None
         for tenant, heap in self._waiting.items():
             head = heap[0]

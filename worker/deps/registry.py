@@ -184,7 +184,7 @@ def _json_path(parts) -> str:
 def apply_preset(config: Any, preset: Preset, engine_args: tuple[str, ...]) -> tuple[Any, dict[str, Any]]:
     """The config with the preset's values where the user set none: max_num_seqs becomes the
     concurrency limit, dtype engine.dtype, and the keys the engine takes (`engine_args`) become
-    engine arguments."""
+    engine arguments; max_num_seqs grows to hold tenants.burst_slots above the limit."""
     applied: dict[str, Any] = {}
     resources, engine = config.resources, config.engine
     if "resources.max_concurrency" not in config.explicit_keys:
@@ -199,5 +199,10 @@ def apply_preset(config: Any, preset: Preset, engine_args: tuple[str, ...]) -> t
         if value is not None and f"engine.args.{key}" not in config.explicit_keys:
             args[key] = value
             applied[f"engine.args.{key}"] = value
+    burst = config.tenants.burst_slots
+    if burst and "max_num_seqs" in engine_args and "engine.args.max_num_seqs" not in config.explicit_keys:
+        # Burst slots run above the concurrency limit: the engine batches them too.
+        args["max_num_seqs"] = applied["engine.args.max_num_seqs"] = max(
+            args.get("max_num_seqs") or 0, resources.max_concurrency + burst)
     engine = dataclasses.replace(engine, args=args)
     return dataclasses.replace(config, resources=resources, engine=engine), applied
