@@ -1,6 +1,7 @@
 """The worker as a process: drain on SIGTERM, one instance per socket, stale sockets, bad paths, Drain RPC."""
 
 import gc
+import json
 import os
 import signal
 import socket
@@ -10,6 +11,7 @@ import threading
 import time
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.conftest import REPO, running_worker, short_tmpdir
@@ -278,3 +280,18 @@ async def test_stopping_while_the_model_loads_does_not_wait_for_the_load():
     engine.finish_load.set()
     thread.join(5)
     assert not thread.is_alive() and not engine.still_loading()
+
+
+@pytest.mark.model
+def test_stderr_holds_json_lines_to_the_exit(worker_process, embedded_model):
+    """The native worker freezes what it loaded (gc.freeze); left frozen at exit, Triton's objects
+    were never freed and nanobind reported them as leaks on stderr, dozens of lines not JSON."""
+    worker = worker_process("--engine", "native", "--model", "smollm2-135m-instruct")
+    worker.wait_ready(300)
+    worker.signal(signal.SIGTERM)
+    assert worker.wait(30) == 0
+    lines = [line for line in worker.log().splitlines() if line.strip()]
+    assert json.loads(lines[-1])["event"] == "stopped"
+    assert [line for line in lines if not line.startswith("{")] == []
+    for line in lines:
+        json.loads(line)

@@ -170,6 +170,9 @@ class Worker:
                 loop.remove_signal_handler(sig)
             self.ownership.release()
             await asyncio.to_thread(self.inference.tracer.shutdown)
+            # Frozen objects are never collected, so at exit nanobind would report Triton's as
+            # leaks: dozens of lines that are not JSON on stderr.
+            gc.unfreeze()
         log.info("stopped", exit_code=self.exit_code)
         return self.exit_code
 
