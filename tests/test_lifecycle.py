@@ -16,8 +16,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.conftest import REPO, running_worker, short_tmpdir
 from worker.config_loader import load_config
-from worker.engines.base import ModelInfo
+from worker.engines.base import ModelInfo, RequestStream
 from worker.engines.threaded import ThreadedEngine
+from worker.errors import EngineDead
 from worker.gen.cyllm.inference.v1 import inference_pb2 as pb
 from worker.gen.cyllm.inference.v1 import inference_pb2_grpc as pb_grpc
 from worker.server import INFERENCE_SERVICE
@@ -230,9 +231,11 @@ class SlowLoad(ThreadedEngine):
 
     def __init__(self, config):
         super().__init__(config)
+        self.loading = threading.Event()
         self.finish_load = threading.Event()
 
     def _load(self) -> None:
+        self.loading.set()
         self.finish_load.wait(30)
         self.info = ModelInfo("slow", 64, 32, 0)
 
@@ -256,7 +259,9 @@ class SlowLoad(ThreadedEngine):
         return []
 
     def stream_predict(self, request):
-        raise NotImplementedError
+        stream = RequestStream(request.request_id)
+        stream.fail(EngineDead("this test double serves no requests"))
+        return stream
 
     def kv_budget_tokens(self) -> int:
         return 0
@@ -272,7 +277,7 @@ async def test_stopping_while_the_model_loads_does_not_wait_for_the_load():
 
     engine = SlowLoad(load_config(None, {"HOME": "/tmp"}))
     load = asyncio.create_task(engine.load_model())
-    await asyncio.sleep(0.05)
+    assert await asyncio.to_thread(engine.loading.wait, 5)
     thread = engine._thread
     await asyncio.wait_for(engine.unload_model(), 5)
     assert thread.is_alive() and engine.still_loading(), "the load was still running"
