@@ -14,7 +14,8 @@ BLOCK = 4
 
 def sequence(length: int) -> SimpleNamespace:
     """What HostInputs reads of a Sequence."""
-    return SimpleNamespace(tokens=list(range(length)), num_cached=length - 1, blocks=BlockTable(), draft=[])
+    return SimpleNamespace(tokens=list(range(length)), num_cached=length - 1, blocks=BlockTable(), draft=[],
+                           scores_prompt=False)
 
 
 def written(inputs: HostInputs, rows: int, width: int) -> tuple[np.ndarray, np.ndarray]:
@@ -51,3 +52,34 @@ def test_a_step_launched_ahead_writes_what_a_full_pass_writes():
     assert positions.tolist() == [len(seq.tokens) - 1 for seq in seqs]
     # All but the first step, the new list's and the one after the jump advanced the last inputs.
     assert advanced == [s for s in range(23) if s not in (0, 11, 18)]
+
+
+def test_rows_of_proposals_and_prompt_chunks_are_the_decode_rows_batch_of_packs():
+    """A step with a decode, a row with proposals and a short prompt chunk (after a cached block)
+    runs in the graphs as a row per token: each token's id, position, slot, length and table are
+    what batch_of packs for the same rows as one-token decodes, and only the chunk's last row and
+    every proposal row keep their logits."""
+    import torch
+
+    from worker.engines.native.sequence import DecodeRows, batch_of, logit_rows
+
+    blocks = BlockManager(200, BLOCK, prefix_caching=False)
+    decode, drafting, prompt = sequence(6), sequence(9), sequence(11)
+    drafting.draft = [70, 71, 72]
+    prompt.num_cached = BLOCK  # its first block came from the prefix cache
+    scheduled = [(decode, 1), (drafting, 4), (prompt, 7)]
+    for seq, count in scheduled:
+        blocks.grow(seq.blocks, seq.num_cached + count)
+    inputs = HostInputs(16, 16, pin=False)
+    rows, width = inputs.fill_rows(scheduled, BLOCK)
+    batch = batch_of(scheduled, BLOCK, torch.device("cpu"), DecodeRows(context=float("inf")))
+    assert not batch.prefills and batch.query_lens == [1] * 12 and rows == 12
+    ids, positions, slots, lens = inputs.packed.numpy()[:, :rows]
+    assert ids.tolist() == batch.input_ids.tolist() == [5, 8, 70, 71, 72, *range(4, 11)]
+    assert positions.tolist() == batch.positions.tolist()
+    assert slots.tolist() == batch.slots.tolist()
+    assert lens.tolist() == batch.context_lens == [6, 9, 10, 11, 12, *range(5, 12)]
+    for row, table in enumerate(batch.block_tables):
+        np.testing.assert_array_equal(inputs.tables.numpy()[row, :len(table)], table)
+    assert width == max(len(t) for t in batch.block_tables)
+    assert logit_rows(scheduled) == batch.last_token_index.tolist() == [0, 1, 2, 3, 4, 11]

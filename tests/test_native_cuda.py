@@ -338,6 +338,58 @@ async def test_speculation_gives_the_same_tokens_on_cuda(tiny_llama, eager):
         await engine.unload_model()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA graphs' rows")
+async def test_short_prompts_admitted_beside_decodes_run_in_the_graphs(tiny_llama, monkeypatch):
+    """A step that admits a short prompt (after a cached block, or fresh, or scored for prompt
+    logprobs) beside running decodes runs in the graphs, a row per prompt token: every request
+    gets the tokens and logprobs it gets from an engine that runs no graphs, and every block
+    comes back."""
+    from worker.engines.native.graphs import DecodeGraphs
+
+    chunked = []
+    rows = DecodeGraphs.rows
+    monkeypatch.setattr(DecodeGraphs, "rows", lambda self, scheduled, size: chunked.append(
+        [count for _, count in scheduled]) or rows(self, scheduled, size))
+    shared = list(range(2, 34))  # two blocks of 16: a later prompt starting so finds them cached
+
+    async def run(eager: bool) -> list:
+        config = load_config(None, {"HOME": "/tmp"}, {"engine.name": "native", "engine.model": str(tiny_llama),
+                                                      "engine.dtype": "float32", "engine.device": "cuda",
+                                                      "engine.args.enforce_eager": str(eager).lower()})
+        engine = NativeEngine(config)
+        await engine.load_model()
+
+        async def one(name: str, prompt: list[int], delay: float, **extra) -> tuple:
+            await asyncio.sleep(delay)
+            request = GenerationRequest(request_id=f"{name}-{eager}", prompt_token_ids=prompt, **extra,
+                                        sampling=SamplingParams(max_tokens=30, ignore_eos=True))
+            tokens, scored = [], None
+            async for out in engine.stream_predict(request):
+                tokens += out.token_ids
+                scored = out.prompt_logprobs or scored
+            return tokens, [entry.logprob for entry in scored or () if entry.logprob is not None]
+
+        try:
+            replies = await asyncio.gather(
+                *(one(f"long{i}", shared + [40 + i] * 20, 0.0) for i in range(4)),
+                one("cached", shared + [90, 91, 92, 93, 94], 0.05), one("fresh", [7, 8, 9, 10, 11, 12], 0.1),
+                one("scored", [60, 61, 62, 63], 0.15, prompt_logprobs=1))
+            assert engine.num_unfinished() == 0 and engine.blocks.num_free == engine.blocks.num_blocks
+            return replies
+        finally:
+            await engine.unload_model()
+
+    graphs = await run(False)
+    assert any(max(counts) > 1 for counts in chunked), chunked  # a prompt chunk ran in the graphs
+    chunked.clear()
+    eager = await run(True)
+    assert not chunked
+    for mine, theirs in zip(graphs, eager):
+        assert mine[0] == theirs[0]
+        assert mine[1] == pytest.approx(theirs[1], abs=1e-4)
+    assert len(graphs[-1][1]) == 3  # the scored prompt's logprobs: every token's but the first's
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels run on CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_projection_takes_the_norm_before_it_as_it_reads_its_row(dtype):

@@ -17,7 +17,7 @@ from worker.deps.hardware import runnable_isas, this_cpu
 from worker.engines.native import kernels
 from worker.engines.native.engine import NativeEngine
 from worker.engines.native.model import Batch, load_model
-from worker.engines.native.sequence import batch_of
+from worker.engines.native.sequence import DecodeRows, batch_of
 from worker.request import GenerationRequest, SamplingParams
 
 SHARED = "You are a careful assistant. Answer in one short paragraph. Question: "
@@ -164,7 +164,7 @@ async def test_a_short_prompt_chunk_runs_as_decode_rows_in_the_one_call_decoder(
     engine = engine_for(embedded_model, **{"engine.args": "{max_kv_blocks: 16}"})
     await engine.load_model()
     try:
-        assert 0 < engine.row_context, "the one-call decoder is loaded"
+        assert engine.decode_rows != DecodeRows(), "the one-call decoder is loaded"
         block_size, model = engine.blocks.block_size, engine.model
         tokens = list(range(100, 132))
         first = SimpleNamespace(num_cached=0, tokens=tokens, draft=[], scores_prompt=False,
@@ -174,11 +174,11 @@ async def test_a_short_prompt_chunk_runs_as_decode_rows_in_the_one_call_decoder(
         model(batch_of([(first, 20), (other, 9)], block_size, engine.device), engine.k_cache, engine.v_cache)
         first.num_cached, other.num_cached = 20, 9
         results = []
-        for row_context in (engine.row_context, 0.0):
+        for decode_rows in (engine.decode_rows, DecodeRows()):
             k, v = engine.k_cache.clone(), engine.v_cache.clone()
-            batch = batch_of([(other, 1), (first, 12)], block_size, engine.device, row_context)
+            batch = batch_of([(other, 1), (first, 12)], block_size, engine.device, decode_rows)
             results.append((model(batch, k, v), k, v))
-            assert bool(batch.prefills or batch.fresh) == (row_context == 0.0)
+            assert bool(batch.prefills or batch.fresh) == (decode_rows == DecodeRows())
         (rows, k, v), (layers, k_ref, v_ref) = results
         assert rows.shape == (2, model.config.vocab_size)
         torch.testing.assert_close(rows, layers, atol=2e-4, rtol=1e-4)

@@ -28,7 +28,7 @@ from worker.engines.native.block_manager import BlockManager, zeros
 from worker.engines.native.messages import Messages
 from worker.engines.native.model import load_model
 from worker.engines.native.pacer import PrefillPacer
-from worker.engines.native.sequence import Sequence, Step, batch_of
+from worker.engines.native.sequence import DecodeRows, Sequence, Step, batch_of
 from worker.engines.native.speculation import Settings, Speculator
 from worker.engines.prompt import encode_prompt, load_tokenizer
 from worker.engines.sampler import make_generator
@@ -75,7 +75,7 @@ class NativeEngine(ThreadedEngine):
         self.events = CacheEvents(int(self.args["block_size"]))
         self.batcher: Batcher | None = None  # made at load, with the blocks
         self._pending: list[tuple[Sequence, int]] = []  # (sequence, token) sampled and not yet emitted
-        self.row_context = 0.0  # prompt chunks that run as decode rows (batch_of), set at load
+        self.decode_rows = DecodeRows()  # prompt chunks that run as decode rows, set at load
         self.messages = Messages(config.server.max_messages_per_s)
 
     def _load(self) -> None:
@@ -119,14 +119,6 @@ class NativeEngine(ThreadedEngine):
             raise ConfigError("resources.memory_limit_gib", "too little memory for the KV cache")
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching=bool(self.args["enable_prefix_caching"]))
         self.pacer = PrefillPacer(c, float(self.args["prefill_chunk_s"]))
-        # CPU, one-call decoder: a prompt chunk whose tokens see few positions runs as decode rows,
-        # so a step that admits a request stays in the one call (a layer-by-layer step cost 4 ms
-        # more with 8 prompt tokens beside 7 decodes: 27.3 ms against 23.2, SmolLM2 bf16 on 2
-        # cores). Past about 1/16 of a token's linear FLOPs in attention pairs the decode kernel,
-        # each row reading its context apart, loses to the prefill path's GEMMs (512 tokens: 542
-        # ms against 489).
-        self.row_context = (self.pacer.token_flops / self.pacer.pair_flops / 16
-                            if self.model.decode_weights is not None else 0.0)
         # (layers, slots, kv_heads, head_dim): slot = block * block_size + offset. One block more
         # than the manager hands out: the CUDA graphs' padding rows write there.
         shape = (c.num_layers, (num_blocks + 1) * block_size, c.num_kv_heads, c.head_dim)
@@ -143,6 +135,9 @@ class NativeEngine(ThreadedEngine):
             rows = min(seqs * (1 + self.speculator.settings.num_tokens), max(seqs, 256))
             self.graphs = DecodeGraphs(self.model, self.k_cache, self.v_cache, rows,
                                        -(-max_model_len // block_size), block_size, num_blocks * block_size)
+            self.decode_rows = DecodeRows.in_graphs(self.model.weight_bytes(), bytes_per_block // block_size)
+        elif self.model.decode_weights is not None:
+            self.decode_rows = DecodeRows.in_one_call(self.pacer.token_flops, self.pacer.pair_flops)
         self.eos_ids = frozenset(c.eos_token_ids) | ({self.tokenizer.eos_token_id} - {None})
         self._load_grammars(c.vocab_size, self.eos_ids)
         self.info = ModelInfo(
@@ -260,12 +255,14 @@ class NativeEngine(ThreadedEngine):
             self._post(seq.stream.put, self.messages.flush(seq))
 
     def _forward(self, scheduled: list[tuple[Sequence, int]]) -> torch.Tensor:
-        # Rows with proposals are decodes too (batch_of): such a step runs in the graphs on CUDA
-        # and in the one-call decoder on CPU.
-        if (self.graphs is not None and all(c == 1 or seq.draft for seq, c in scheduled)
+        # Rows with proposals, and short prompt chunks, are decodes too (DecodeRows): such a step
+        # runs in the graphs on CUDA and in the one-call decoder on CPU.
+        if (self.graphs is not None and all(self.decode_rows(seq, c) for seq, c in scheduled)
                 and sum(c for _, c in scheduled) <= self.graphs.max_batch):
-            return self.graphs.decode([seq for seq, _ in scheduled], self.blocks.block_size)
-        batch = batch_of(scheduled, self.blocks.block_size, self.device, self.row_context)
+            if all(c == 1 for _, c in scheduled):
+                return self.graphs.decode([seq for seq, _ in scheduled], self.blocks.block_size)
+            return self.graphs.rows(scheduled, self.blocks.block_size)
+        batch = batch_of(scheduled, self.blocks.block_size, self.device, self.decode_rows)
         try:
             return self.model(batch, self.k_cache, self.v_cache)
         except torch.OutOfMemoryError:

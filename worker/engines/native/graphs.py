@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from worker.engines.native.model import Batch, LlamaModel
-from worker.engines.native.sequence import Sequence
+from worker.engines.native.sequence import Sequence, logit_rows
 
 
 def graph_sizes(max_batch: int) -> list[int]:
@@ -37,14 +37,14 @@ class DecodeGraphs:
         # Their host side, pinned: written in place, it goes over without blocking the engine thread.
         self.host = HostInputs(largest, max_blocks, pin=True)
         self.copied = torch.cuda.Event()
-        self.rows = torch.arange(largest, device=device)  # every row is a last token
+        self.every_row = torch.arange(largest, device=device)  # every row is a last token
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         pool = None
         side = torch.cuda.Stream(device)
         for size in reversed(self.sizes):  # largest first, so the smaller ones fit in its memory pool
             batch = Batch(self.input_ids[:size], self.positions[:size], self.slots[:size], [], [], [],
-                          self.rows[:size], block_size, prefills=[],
+                          self.every_row[:size], block_size, prefills=[],
                           decode_tables=self.tables[:size], decode_lens=self.lens[:size])
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):  # compiles the kernels and settles the allocator
@@ -66,11 +66,20 @@ class DecodeGraphs:
         them). `pending` (n,) on the device: each sequence's input is its token sampled by the step
         still running, not yet on the host (the engine's launch-ahead)."""
         self.copied.synchronize()  # the last run's copies out of the host inputs are done
-        if any(seq.draft for seq in seqs):
-            n, width = self.host.fill_drafts(seqs, block_size)
-        else:
-            n, width = self.host.fill(seqs, block_size, ahead=pending is not None)
+        n, width = self.host.fill(seqs, block_size, ahead=pending is not None)
         return self.run(n, width, pending)
+
+    def rows(self, scheduled: list[tuple[Sequence, int]], block_size: int) -> torch.Tensor:
+        """The logits the step keeps (sequence.logit_rows) of a step whose (sequence, tokens) rows
+        all run as one-token decodes (sequence.DecodeRows): a graph row for every token, proposals'
+        and short prompt chunks' too."""
+        self.copied.synchronize()
+        n, width = self.host.fill_rows(scheduled, block_size)
+        logits, keep = self.run(n, width), logit_rows(scheduled)
+        if len(keep) == n:
+            return logits
+        # Pinned, so the copy does not wait for the graph (a list index would).
+        return logits.index_select(0, torch.tensor(keep).pin_memory().to(logits.device, non_blocking=True))
 
     def run(self, n: int, width: int, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (n, vocab) of the n one-token decodes in rows [0, n) of the host inputs, whose block
@@ -148,15 +157,17 @@ class HostInputs:
             self._width = max(self._width, len(table))
         return self._width
 
-    def fill_drafts(self, seqs: list[Sequence], block_size: int) -> tuple[int, int]:
-        """fill() where some sequences have proposals (Sequence.draft): a row for each one's last
-        token and one for each proposal, in order, written one by one. Returns (rows, width)."""
+    def fill_rows(self, scheduled: list[tuple[Sequence, int]], block_size: int) -> tuple[int, int]:
+        """fill() for a step of (sequence, tokens) rows, some of more than one token (proposals,
+        Sequence.draft, or a short prompt chunk): a row for each token, in order, written one by
+        one. Returns (rows, width)."""
         (ids, positions, slots, lens), tables = self.packed.numpy(), self.tables.numpy()
         self._ahead = None
         width = row = 0
-        for seq in seqs:
+        for seq, count in scheduled:
             position, table = seq.num_cached, seq.blocks.blocks
-            for token in ([seq.tokens[position], *seq.draft] if seq.draft else (seq.tokens[position],)):
+            known = seq.tokens[position:position + count]
+            for token in (known + seq.draft)[:count]:
                 ids[row] = token
                 positions[row] = position
                 slots[row] = table[position // block_size] * block_size + position % block_size

@@ -149,15 +149,58 @@ positions, and a list-to-tensor copy each of ids, positions and slots, held the 
 ~11 ms of a ~27 ms step (Llama-1B shape, H100)."""
 
 
+@dataclass(frozen=True)
+class DecodeRows:
+    """Which rows of a step run as one-token decodes over their sequence's blocks, each token
+    seeing the cache up to its own position (every K/V of a step is stored before any attention
+    reads it): a decode, a row with proposals, and a prompt chunk whose tokens see at most
+    `context` positions on average and whose (query, key) pairs number at most `pairs`. A step of
+    such rows only runs in the CPU's one-call decoder and in the CUDA graphs (engine.py sets the
+    bounds); the defaults keep every chunk a prefill."""
+
+    context: float = 0.0
+    pairs: float = float("inf")
+
+    @classmethod
+    def in_graphs(cls, weight_bytes: int, kv_bytes_per_token: int) -> DecodeRows:
+        """CUDA graphs: a step that admits a short prompt stays in the graphs (eager, SmolLM2's 30
+        layers took ~12 ms of launches from Python on an H100 host against ~1.3 ms a graph step:
+        16-token requests beside 8 decodes made 1,010 tokens/s against 5,215). Each chunk token's
+        row reads its context's K/V again: kept to 1/16 of the weights the step reads anyway."""
+        return cls(context=float("inf"), pairs=weight_bytes / 16 / kv_bytes_per_token)
+
+    @classmethod
+    def in_one_call(cls, token_flops: float, pair_flops: float) -> DecodeRows:
+        """CPU, one-call decoder: a step that admits a request stays in the one call (a
+        layer-by-layer step cost 4 ms more with 8 prompt tokens beside 7 decodes: 27.3 ms against
+        23.2, SmolLM2 bf16 on 2 cores). Past about 1/16 of a token's linear FLOPs in attention
+        pairs the decode kernel, each row reading its context apart, loses to the prefill path's
+        GEMMs (512 tokens: 542 ms against 489)."""
+        return cls(context=token_flops / pair_flops / 16)
+
+    def __call__(self, seq: Sequence, count: int) -> bool:
+        if count == 1 or seq.draft:
+            return True
+        mean = seq.num_cached + (count + 1) / 2
+        return mean <= self.context and count * mean <= self.pairs
+
+
+def logit_rows(scheduled: list[tuple[Sequence, int]]) -> list[int]:
+    """Of a step's token rows, those whose logits the step keeps: every position of a sequence
+    scoring its prompt or checking proposals, the last of others."""
+    rows, total = [], 0
+    for seq, count in scheduled:
+        rows.extend(range(total, total + count) if seq.scores_prompt or seq.draft else [total + count - 1])
+        total += count
+    return rows
+
+
 def batch_of(scheduled: list[tuple[Sequence, int]], block_size: int, device: torch.device,
-             row_context: float = 0.0) -> Batch:
-    """A step's (sequence, tokens) rows packed for the model. A sequence scoring its prompt or
-    checking proposals wants logits at every position, others at their last. A row with proposals
-    runs as 1 + k decodes over the sequence's blocks, each seeing the cache up to its own position:
-    every K/V of a step is stored before any attention reads it, so the step stays all-decode. So
-    does a prompt chunk whose tokens see `row_context` or fewer positions on average (CPU, where
-    an all-decode step runs in one call; 0: none)."""
-    ids, positions, slots, last, query_lens, context_lens, tables = [], [], [], [], [], [], []
+             decode_rows: DecodeRows = DecodeRows()) -> Batch:
+    """A step's (sequence, tokens) rows packed for the model, the rows `decode_rows` picks as
+    one-token decodes."""
+    ids, positions, slots, query_lens, context_lens, tables = [], [], [], [], [], []
+    last = logit_rows(scheduled)
     parts: list[np.ndarray] = []  # (3, n) ids, positions, slots: short rows' lists, long chunks
     total = 0
     for seq, count in scheduled:
@@ -175,9 +218,8 @@ def batch_of(scheduled: list[tuple[Sequence, int]], block_size: int, device: tor
             for position in range(start, start + count):
                 positions.append(position)
                 slots.append(blocks[position // block_size] * block_size + position % block_size)
-        last.extend(range(total, total + count) if seq.scores_prompt or seq.draft else [total + count - 1])
         total += count
-        if seq.draft or (count > 1 and start + (count + 1) / 2 <= row_context):
+        if count > 1 and decode_rows(seq, count):
             query_lens.extend([1] * count)
             context_lens.extend(range(start + 1, start + count + 1))
             tables.extend([blocks] * count)
