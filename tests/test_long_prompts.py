@@ -32,6 +32,24 @@ def test_pacer_cuts_chunks_to_its_time_and_shrinks_them_as_the_context_grows(emb
     assert pacer.chunk(0, 8000, 2048, 0.0) == early
 
 
+def test_a_step_slower_than_the_device_does_not_cut_the_chunks(embedded_model):
+    """Steps slower than the device computes (the first prefill compiling kernels for a second, a
+    short chunk bound by the host's launches) must not cut later prompts into chunks: the rate is
+    the fastest recent step's, measured down to the smallest chunk."""
+    pacer = PrefillPacer(ModelConfig.from_folder(embedded_model), target_s=0.25)
+    pacer.record(pacer.cost(60, 0), 1.0, prefill_tokens=60)  # compiled its kernels
+    assert pacer.chunk(0, 1000, 2048, 0.0) == MIN_CHUNK
+    pacer.record(pacer.cost(MIN_CHUNK, 0), pacer.cost(MIN_CHUNK, 0) / 1e13, prefill_tokens=MIN_CHUNK)
+    assert pacer.chunk(0, 1000, 2048, 0.0) == 1000, "measured again at the smallest chunk"
+    for _ in range(5):  # host-bound steps and another compile: far below the device's rate
+        pacer.record(pacer.cost(40, 0), 0.007, prefill_tokens=40)
+    pacer.record(pacer.cost(200, 0), 0.5, prefill_tokens=200)
+    assert pacer.chunk(0, 4000, 8192, 0.0) == 4000  # 1.6 TFLOP: 0.16 s at the device's rate
+    for cached in range(0, 16 * 40, 40):  # a slower device: the fastest of the last 16 steps counts
+        pacer.record(pacer.cost(40, cached), 0.1, prefill_tokens=40)
+    assert pacer.chunk(0, 1000, 2048, 0.0) < 1000
+
+
 def long_request(**fields) -> pb.PredictRequest:
     ids = [(i * 7919) % 40_000 + 100 for i in range(LONG_PROMPT_TOKENS)]
     return pb.PredictRequest(token_ids=pb.TokenIds(ids=ids),
