@@ -59,6 +59,25 @@ def test_triton_paged_prefill_matches_the_sdpa_path(dtype):
     torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="SDPA's backends on CUDA")
+def test_prompts_attend_without_cudnn_attention(monkeypatch):
+    """cuDNN's attention builds a plan for every sequence length it has not seen (~40 ms on an
+    H100, paid by the first prompt of each length): prompts attend with it off, and it is back
+    on after, as it was."""
+    from worker.engines.native import attention
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    sdpa, seen = attention.F.scaled_dot_product_attention, []
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention",
+                        lambda *args, **kwargs: seen.append(torch.backends.cuda.cudnn_sdp_enabled()) or sdpa(*args, **kwargs))
+    q = torch.randn(2 * 37, 9, 64, device="cuda", dtype=torch.bfloat16)
+    k, v = torch.randn(2 * 37, 3, 64, device="cuda", dtype=torch.bfloat16), torch.randn(2 * 37, 3, 64, device="cuda", dtype=torch.bfloat16)
+    out = attention.prefill_attention(q, k, v, None, None, [(0, 2, 37, None)], [])
+    assert seen == [False] and torch.backends.cuda.cudnn_sdp_enabled() == before
+    expected = sdpa(*(x.view(2, 37, *x.shape[1:]).transpose(1, 2) for x in (q, k, v)), is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(out, expected.transpose(1, 2).reshape(q.shape), atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton rope-and-store kernel runs on CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_rope_and_store_matches_the_torch_path(dtype):

@@ -15,8 +15,11 @@ Caches are (slots, kv_heads, head_dim) per layer, slot = block * block_size + of
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from worker.engines.native import kernels, pdl
 from worker.engines.native.paged_prefill import paged_prefill
@@ -31,6 +34,10 @@ DECODE_STAGES = 2
 """The decode kernel's software pipeline: with PDL on an H100, 16 layers of the Llama-1B shape at batch 1
 took 3.0 / 6.1 / 8.8 us of attention a layer at contexts of 128 / 320 / 1024 tokens against 3.8 /
 7.0 / 9.5 with 3 stages (128-token tiles: 3.4 / 5.8 / 8.8)."""
+SDPA_ON_CUDA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+"""Not cuDNN's, which torch picks first on an H100: it builds a plan for every sequence length it
+has not seen, ~40 ms each (a 200-token prompt's first token took 60 ms against 7 when its length
+had come before); flash takes any length as it comes (0.05-0.13 ms, first length or not)."""
 MAX_SPLITS = 8
 """Parts a context may be split in for the decode kernel at small batches."""
 WHOLE_TILES = 6
@@ -77,6 +84,11 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     `sequences`: (offset in T, query_len, context slots, causal mask) of those with cached tokens
     before; `paged` (CUDA): the same as paged_prefill's meta, all of them in one kernel call.
     Returns (T, H, D); other rows are left unset."""
+    with sdpa_kernel(SDPA_ON_CUDA) if q.device.type == "cuda" else contextlib.nullcontext():
+        return _prefill_attention(q, k, v, k_cache, v_cache, fresh, sequences, paged, block_size)
+
+
+def _prefill_attention(q, k, v, k_cache, v_cache, fresh, sequences, paged, block_size) -> torch.Tensor:
     out = torch.empty_like(q)
     for start, count, length, rows in fresh:
         span = slice(start, start + count * length)
