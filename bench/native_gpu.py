@@ -49,6 +49,8 @@ SHAPES = {
     "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                          num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False),
 }
+SHAPES["smollm2-135m"] = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                              num_key_value_heads=3, head_dim=64, vocab_size=49152, tie_word_embeddings=True)
 SHAPES["tiny"] = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=16, vocab_size=1000, tie_word_embeddings=True)  # a smoke test
 PROMPT, NEW = 128, 256
