@@ -27,7 +27,13 @@ slow spell falls on all of them; throughput is the median over rounds of each ro
 Tenants are named in PredictRequest.metadata (x-gateway-inference-fairness-id), as the sidecar
 forwards them. Writes bench/results/fairness.json and fairness.png (fairness-native.* for native).
 
-    python bench/fairness.py [--engine synthetic|native] [--seconds S] [--rounds N] [--seed 3]
+Each policy also reports the flood's median step (the gap between its streams' tokens in the
+latency runs): a light request started at once still waits out the step in flight, so where the
+engine is idle between the light tenants' requests alone, their TTFT with the flood is about one
+such step longer whatever the policy does (docs/benchmarks.md).
+
+    python bench/fairness.py [--engine synthetic|native] [--device cpu|cuda] [--model NAME|FOLDER]
+                             [--policies fcfs,vtc,...] [--seconds S] [--rounds N] [--seed 3]
 """
 
 from __future__ import annotations
@@ -77,6 +83,12 @@ WORKLOADS = {
 POLICIES = {"fcfs": ("--set", "tenants.policy=fcfs"), "vtc": ("--set", "tenants.policy=vtc"),
             "vtc+headroom": ("--set", "tenants.policy=vtc", "--set", "tenants.headroom_slots=3"),
             "vtc+burst": ("--set", "tenants.policy=vtc", "--set", "tenants.burst_slots=3")}
+# --device cuda: the embedded model in bf16 on the GPU (CUDA graphs, launch-ahead), its steps ~10x
+# shorter than on a CPU, so the light tenants ask 4x as often (still far under their share) and
+# their p99 rests on more requests.
+CUDA_ARGS = ("--engine", "native", "--set", "engine.device=cuda", "--set", "engine.dtype=bfloat16",
+             "--set", "engine.args.speculation=off")
+CUDA_LATENCY_RATE = 2.0
 
 
 class Run:
@@ -169,6 +181,14 @@ def report(run: Run, started: float, seconds: float, tenants: list[str]) -> dict
             "ttft_samples_ms": ttft}
 
 
+def flood_step_ms(run: Run, started: float, seconds: float) -> float | None:
+    """The median gap between tokens of the flood's streams in the window: its step."""
+    gaps = [(ts[-1][0] - ts[0][0]) * 1000 / (sum(n for _, n in ts) - ts[0][1])
+            for tenant, _, _, ts, _ in run.records
+            if tenant == "flood" and len(ts) > 1 and started + WARMUP_S <= ts[0][0] and ts[-1][0] < started + seconds]
+    return statistics.median(gaps) if gaps else None
+
+
 def measure(policy: str, count: int, scenario: str, workload: Workload, seed: int, round_: int,
             with_flood: bool = True) -> dict:
     tenants = ["flood"] + [f"light{i}" for i in range(1, count)]
@@ -178,7 +198,8 @@ def measure(policy: str, count: int, scenario: str, workload: Workload, seed: in
     finally:
         run.stop()
     row = {"policy": policy, "tenants": count, "scenario": scenario, "flood": with_flood, "round": round_,
-           **report(run, started, workload.seconds, tenants if with_flood else tenants[1:])}
+           **report(run, started, workload.seconds, tenants if with_flood else tenants[1:]),
+           "flood_step_ms": flood_step_ms(run, started, workload.seconds)}
     print(json.dumps({k: v for k, v in row.items() if k != "ttft_samples_ms"}), flush=True)
     return row
 
@@ -194,17 +215,18 @@ def ttft(rows: list[dict]) -> dict:
     return {"per_tenant": {t: stats(v) for t, v in samples.items() if v}, "lights": stats(lights) if lights else None}
 
 
-def summary(rows: list[dict]) -> dict:
+def summary(rows: list[dict], policies: list[str]) -> dict:
     out = {}
     for count in sorted({r["tenants"] for r in rows}):
         pick = lambda policy, scenario, flood=True: [  # noqa: E731
             r for r in rows if (r["tenants"], r["policy"], r["scenario"], r["flood"]) == (count, policy, scenario, flood)]
         fcfs, equal = {r["round"]: r for r in pick("fcfs", "backlogged")}, 1 / count
         fcfs_latency = {r["round"]: r for r in pick("fcfs", "latency")}
-        alone = ttft(pick("vtc", "latency", False))
+        alone = ttft(pick(policies[-1], "latency", False))
         one = {}
-        for policy in POLICIES:
+        for policy in policies:
             backlogged, shared = pick(policy, "backlogged"), ttft(pick(policy, "latency"))
+            steps = [r["flood_step_ms"] for r in pick(policy, "latency") if r["flood_step_ms"]]
             light_names = [t for t in alone["per_tenant"] if t != "flood"]
             one[policy] = {
                 "max_share_error": statistics.median(max(abs(s - equal) / equal for s in r["share"].values())
@@ -223,6 +245,7 @@ def summary(rows: list[dict]) -> dict:
                 shared["lights"]["p99"] / alone["lights"]["p99"],
                 "light_ttft_ms": shared["lights"],
                 "light_ttft_ms_alone": alone["lights"],
+                "flood_step_ms": statistics.median(steps) if steps else None,
             }
         out[f"{count}_tenants"] = one
     return out
@@ -234,12 +257,12 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    summary = result["summary"]
+    summary, policies = result["summary"], result["options"]["policies"]
     counts = sorted(int(key.split("_")[0]) for key in summary)
     fig, axes = plt.subplots(len(counts), 2, figsize=(11, 4 * len(counts)), squeeze=False)
     for (shares, latency), count in zip(axes, counts):
         backlogged = [r for r in result["rows"] if r["tenants"] == count and r["scenario"] == "backlogged"]
-        for offset, policy in zip((-0.3, -0.1, 0.1, 0.3), POLICIES):
+        for offset, policy in zip((-0.3, -0.1, 0.1, 0.3), policies):
             runs = [r for r in backlogged if r["policy"] == policy]
             names = list(runs[0]["share"])
             means = [statistics.mean(r["share"][n] for r in runs) for n in names]
@@ -252,13 +275,13 @@ def plot(result: dict, path: Path) -> None:
         shares.legend(fontsize=8)
         one = summary[f"{count}_tenants"]
         starved = result["workload"]["seconds"] * 1000  # a light tenant with no first token: the run's length
-        labels = [*(f"{p}\nwith flood" for p in POLICIES), "alone"]
-        values = [one[p]["light_ttft_ms"]["p99"] if one[p]["light_ttft_ms"] else starved for p in POLICIES]
-        latency.bar(labels, values + [one["vtc"]["light_ttft_ms_alone"]["p99"]])
+        labels = [*(f"{p}\nwith flood" for p in policies), "alone"]
+        values = [one[p]["light_ttft_ms"]["p99"] if one[p]["light_ttft_ms"] else starved for p in policies]
+        latency.bar(labels, values + [one[policies[-1]]["light_ttft_ms_alone"]["p99"]])
         latency.set_ylabel("light tenants' TTFT p99, ms (starved: run length)")
         latency.set_yscale("log")
         latency.set_title(f"{count} tenants: light tenants' TTFT", fontsize=9)
-    fig.suptitle(result["machine"]["cpu"], fontsize=9)
+    fig.suptitle(result["machine"].get("gpu", result["machine"]["cpu"]), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -269,8 +292,21 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, help="each run's length (synthetic 40, native 30)")
     parser.add_argument("--rounds", type=int, help="rounds of every policy (synthetic 1, native 3)")
     parser.add_argument("--seed", type=int, default=3)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="native only")
+    parser.add_argument("--model", help="native only: model name or folder (default the embedded model)")
+    parser.add_argument("--policies", default=",".join(POLICIES),
+                        help="comma-separated, FCFS first (the ratios' base); alone runs with the last")
     options = parser.parse_args()
+    options.policies = options.policies.split(",")
+    if options.policies[0] != "fcfs" or not set(options.policies) <= set(POLICIES):
+        parser.error(f"--policies: fcfs first, then any of {', '.join(POLICIES)}")
+    if options.engine != "native" and (options.device != "cpu" or options.model):
+        parser.error("--device and --model are for --engine native")
     workload = WORKLOADS[options.engine]
+    if options.device == "cuda":
+        workload = dataclasses.replace(workload, engine_args=CUDA_ARGS, latency_rate=CUDA_LATENCY_RATE)
+    if options.model:
+        workload = dataclasses.replace(workload, engine_args=(*workload.engine_args, "--model", options.model))
     if options.seconds:
         workload = dataclasses.replace(workload, seconds=options.seconds)
     if options.rounds:
@@ -279,17 +315,19 @@ def main() -> int:
     for count in (2, 4):
         for round_ in range(workload.rounds):
             for scenario in ("backlogged", "latency"):
-                for policy in POLICIES:
+                for policy in options.policies:
                     rows.append(measure(policy, count, scenario, workload, options.seed, round_))
-            rows.append(measure("vtc", count, "latency", workload, options.seed, round_, with_flood=False))
+            rows.append(measure(options.policies[-1], count, "latency", workload, options.seed, round_,
+                                with_flood=False))
     # Each run's TTFTs as percentiles; the summary pools every round's samples.
     runs = [{**{k: v for k, v in row.items() if k != "ttft_samples_ms"}, "ttft_ms": ttft([row])["per_tenant"]}
             for row in rows]
-    result = {"benchmark": "fairness", "machine": machine("cpu"), "when": time.strftime("%Y-%m-%d %H:%M"),
-              "options": vars(options), "workload": dataclasses.asdict(workload), "rows": runs, "summary": summary(rows)}
+    result = {"benchmark": "fairness", "machine": machine(options.device), "when": time.strftime("%Y-%m-%d %H:%M"),
+              "options": vars(options), "workload": dataclasses.asdict(workload), "rows": runs, "summary": summary(rows, options.policies)}
     print(json.dumps(result["summary"], indent=1))
     RESULTS.mkdir(parents=True, exist_ok=True)
     name = "fairness" if options.engine == "synthetic" else f"fairness-{options.engine}"
+    name += "-cuda" if options.device == "cuda" else ""
     (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(result, RESULTS / f"{name}.png")
     print(f"wrote {RESULTS / name}.json and {name}.png")
