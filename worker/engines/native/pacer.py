@@ -10,9 +10,9 @@ stay within `target_s`.
 The rate is the fastest of the last RECENT measured steps. A step is never faster than the device
 computes, but often slower: the first prefill of a shape compiles Triton kernels (0.5-1.2 s on an
 H100 host), and a short chunk on a GPU is bound by the host's launches (~7 ms for the Llama-1B
-shape whatever its size). A moving average took those in: on an H100 every prompt of a new length
-was then cut into chunks of ~40 tokens, each paying the launches, 45-55 ms to the first token of
-a 200-token prompt against 7 ms.
+shape whatever its size). A moving average took those in and cut later prompts into chunks that
+each paid the launches: on an H100 SmolLM2's shape took 110 ms to the first token of a 200-token
+prompt and 0.7 s of a 1,000-token one, against 13 and 15 ms in one step.
 """
 
 from __future__ import annotations
