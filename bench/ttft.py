@@ -36,7 +36,6 @@ sys.path.insert(0, str(REPO))
 from bench.gpu_roofline import matmul_peak  # noqa: E402
 from bench.native_gpu import SHAPES, engine_for, make_folder  # noqa: E402
 from bench.structured import machine  # noqa: E402
-from worker.engines.native.pacer import PrefillPacer  # noqa: E402
 from worker.request import GenerationRequest, SamplingParams  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
@@ -60,14 +59,13 @@ async def shape_run(name: str, lengths: list[int], repeats: int, peak: float, wo
     await engine.load_model()
     rng = random.Random(5)
     vocab = SHAPES[name]["vocab_size"]
-    pacer = PrefillPacer(engine.model.config, 0.0)
     rows = []
     try:
         for length in lengths:
             prompt = lambda n: [rng.randrange(2, vocab) for _ in range(n)]  # noqa: E731
             cold = await first_token_ms(engine, prompt(length))
             warm = [await first_token_ms(engine, prompt(length + i)) for i in range(1, repeats + 1)]
-            bound_ms = pacer.cost(length, 0) / peak * 1000
+            bound_ms = engine.pacer.cost(length, 0) / peak * 1000
             rows.append({"prompt_tokens": length, "cold_ms": cold, "ttft_ms": statistics.median(warm),
                          "ttft_ms_runs": warm, "prefill_flops_bound_ms": bound_ms,
                          "in_graphs": length <= engine.graphs.max_batch

@@ -28,7 +28,7 @@ from worker.engines.native.block_manager import BlockManager, zeros
 from worker.engines.native.messages import Messages
 from worker.engines.native.model import load_model
 from worker.engines.native.pacer import PrefillPacer
-from worker.engines.native.sequence import DecodeRows, Sequence, Step, batch_of
+from worker.engines.native.sequence import DecodeRows, Sequence, Step, batch_of, kept_rows
 from worker.engines.native.speculation import Settings, Speculator
 from worker.engines.prompt import encode_prompt, load_tokenizer
 from worker.engines.sampler import make_generator
@@ -257,11 +257,12 @@ class NativeEngine(ThreadedEngine):
     def _forward(self, scheduled: list[tuple[Sequence, int]]) -> torch.Tensor:
         # Rows with proposals, and short prompt chunks, are decodes too (DecodeRows): such a step
         # runs in the graphs on CUDA and in the one-call decoder on CPU.
-        if (self.graphs is not None and all(self.decode_rows(seq, c) for seq, c in scheduled)
-                and sum(c for _, c in scheduled) <= self.graphs.max_batch):
-            if all(c == 1 for _, c in scheduled):
+        rows = sum(c for _, c in scheduled)
+        if self.graphs is not None and rows <= self.graphs.max_batch:
+            if rows == len(scheduled):  # one token each: plain decodes
                 return self.graphs.decode([seq for seq, _ in scheduled], self.blocks.block_size)
-            return self.graphs.rows(scheduled, self.blocks.block_size)
+            if all(self.decode_rows(seq, c) for seq, c in scheduled):
+                return self.graphs.rows(scheduled, self.blocks.block_size)
         batch = batch_of(scheduled, self.blocks.block_size, self.device, self.decode_rows)
         try:
             return self.model(batch, self.k_cache, self.v_cache)
@@ -287,9 +288,7 @@ class NativeEngine(ThreadedEngine):
         logits = self._forward(scheduled)
         if logits is None:  # out of memory; the step's sequences have failed
             return Step([])
-        # A sequence scoring its prompt, or checking proposals, has a row per token of its chunk (see
-        # _forward), others one.
-        ends = list(itertools.accumulate(count if seq.scores_prompt or seq.draft else 1 for seq, count in scheduled))
+        ends = list(itertools.accumulate(kept_rows(seq, count) for seq, count in scheduled))
         for (seq, count), end in zip(scheduled, ends):
             if seq.scores_prompt:
                 seq.score_prompt(logits[end - count:end], count)

@@ -185,13 +185,18 @@ class DecodeRows:
         return mean <= self.context and count * mean <= self.pairs
 
 
+def kept_rows(seq: Sequence, count: int) -> int:
+    """Logit rows a step keeps of `count` tokens of `seq`: every one for a sequence scoring its
+    prompt or checking proposals, the last for others."""
+    return count if seq.scores_prompt or seq.draft else 1
+
+
 def logit_rows(scheduled: list[tuple[Sequence, int]]) -> list[int]:
-    """Of a step's token rows, those whose logits the step keeps: every position of a sequence
-    scoring its prompt or checking proposals, the last of others."""
+    """Of a step's token rows, those whose logits the step keeps (kept_rows: each entry's last)."""
     rows, total = [], 0
     for seq, count in scheduled:
-        rows.extend(range(total, total + count) if seq.scores_prompt or seq.draft else [total + count - 1])
         total += count
+        rows.extend(range(total - kept_rows(seq, count), total))
     return rows
 
 
