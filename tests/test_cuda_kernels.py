@@ -1,0 +1,234 @@
+"""The native engine's CUDA kernels (these tests skip without a CUDA GPU): Triton's against the
+torch paths, PDL's waits inside a graph, and SDPA's backends for prompts."""
+
+import pytest
+import torch
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton decode kernel runs on CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_decode_matches_the_gather_path(dtype):
+    from worker.engines.native.attention import _decode_triton, gather_attention
+
+    torch.manual_seed(0)
+    block_size, blocks, kv_heads, dim, heads = 16, 128, 3, 64, 9  # SmolLM2's grouping: 3 query heads per KV head
+    k = torch.randn(blocks * block_size, kv_heads, dim, device="cuda", dtype=dtype)
+    v = torch.randn_like(k)
+    lens = torch.tensor([1, 16, 17, 0, 300, 700], dtype=torch.int32, device="cuda")  # 700: long enough to split
+    tables = torch.stack([torch.randperm(blocks, device="cuda")[:48] for _ in range(6)]).to(torch.int32)
+    q = torch.randn(6, heads, dim, device="cuda", dtype=dtype)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    for copies in (1, 1, 8):  # 6 sequences split their contexts in parts (twice: the parts' counts reset); 48 do not
+        q, tables, lens = (x.repeat(copies, *[1] * (x.dim() - 1)) for x in (q[:6], tables[:6], lens[:6]))
+        expected = gather_attention(q, k, v, tables, lens, block_size)
+        torch.testing.assert_close(_decode_triton(q, k, v, tables, lens, block_size), expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton paged prefill kernel runs on CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_paged_prefill_matches_the_sdpa_path(dtype):
+    """Chunks after cached context (a hit on a shared prefix, a long prompt's later chunk), all in one
+    kernel call, against torch's SDPA a sequence at a time over the gathered context."""
+    from worker.engines.native.attention import prefill_attention
+    from worker.engines.native.paged_prefill import paged_prefill_meta
+
+    torch.manual_seed(0)
+    block_size, blocks, kv_heads, dim, heads = 16, 256, 3, 64, 9
+    k_cache = torch.randn(blocks * block_size, kv_heads, dim, device="cuda", dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    shapes = [(2, 17), (16, 144), (5, 21), (70, 600), (64, 64 + 64), (1 + 128, 1000)]  # (query_len, context_len)
+    tables = [torch.randperm(blocks)[:-(-context // block_size)].tolist() for _, context in shapes]
+    starts = [sum(q for q, _ in shapes[:i]) for i in range(len(shapes))]
+    q = torch.randn(sum(q for q, _ in shapes), heads, dim, device="cuda", dtype=dtype)
+    sequences = []
+    for start, (query_len, context), table in zip(starts, shapes, tables):
+        slots = (torch.tensor(table, device="cuda")[:, None] * block_size + torch.arange(block_size, device="cuda"))
+        mask = (torch.arange(context, device="cuda")[None, :]
+                <= (context - query_len + torch.arange(query_len, device="cuda"))[:, None])
+        sequences.append((start, query_len, slots.reshape(-1)[:context], mask))
+    expected = prefill_attention(q, None, None, k_cache, v_cache, [], sequences)
+    meta = paged_prefill_meta(starts, [s[0] for s in shapes], [s[1] for s in shapes], tables, torch.device("cuda"))
+    got = prefill_attention(q, None, None, k_cache, v_cache, [], sequences, meta, block_size)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="SDPA's backends on CUDA")
+def test_prompts_attend_without_cudnn_attention(monkeypatch):
+    """cuDNN's attention builds a plan for every sequence length it has not seen (~40 ms on an
+    H100, paid by the first prompt of each length): prompts attend with it off, and it is back
+    on after, as it was."""
+    from worker.engines.native import attention
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    sdpa, seen = attention.F.scaled_dot_product_attention, []
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention",
+                        lambda *args, **kwargs: seen.append(torch.backends.cuda.cudnn_sdp_enabled()) or sdpa(*args, **kwargs))
+    q = torch.randn(2 * 37, 9, 64, device="cuda", dtype=torch.bfloat16)
+    k, v = torch.randn(2 * 37, 3, 64, device="cuda", dtype=torch.bfloat16), torch.randn(2 * 37, 3, 64, device="cuda", dtype=torch.bfloat16)
+    out = attention.prefill_attention(q, k, v, None, None, [(0, 2, 37, None)], [])
+    assert seen == [False] and torch.backends.cuda.cudnn_sdp_enabled() == before
+    expected = sdpa(*(x.view(2, 37, *x.shape[1:]).transpose(1, 2) for x in (q, k, v)), is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(out, expected.transpose(1, 2).reshape(q.shape), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton rope-and-store kernel runs on CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_rope_and_store_matches_the_torch_path(dtype):
+    from worker.engines.native.attention import rope_and_store
+    from worker.engines.native.elementwise import rotate
+
+    torch.manual_seed(0)
+    tokens, heads, kv_heads, dim = 5, 9, 3, 64
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, device="cuda", dtype=dtype)  # strided views, as in the model
+    q, k, v = (x.reshape(tokens, -1, dim) for x in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1))
+    angles = torch.randn(tokens, 1, dim // 2, device="cuda").repeat(1, 1, 2)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    slots = torch.tensor([7, 0, 31, 16, 3], device="cuda")
+    k_cache, v_cache = (torch.zeros(32, kv_heads, dim, device="cuda", dtype=dtype) for _ in range(2))
+    got_q, got_k = rope_and_store(q, k, v, cos, sin, k_cache, v_cache, slots, rotate)
+    want_q, want_k = (rotate(x.float(), cos.float(), sin.float()).to(dtype) for x in (q, k))  # one rounding, as the kernel
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got_q, want_q, atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(got_k, want_k, atol=tolerance, rtol=tolerance)
+    for cache, want in ((k_cache, want_k), (v_cache, v)):
+        torch.testing.assert_close(cache, torch.zeros_like(cache).index_copy_(0, slots, want), atol=tolerance, rtol=tolerance)
+
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton norm and SiLU kernels run on CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_norm_and_silu_match_the_torch_path(dtype):
+    from worker.engines.native.elementwise import Elementwise
+
+    torch.manual_seed(0)
+    plain, fused = Elementwise(), Elementwise()
+    fused.use_triton()
+    x, residual = (torch.randn(5, 576, device="cuda", dtype=dtype) for _ in range(2))  # SmolLM2's width: masked lanes
+    weight = torch.rand(576, device="cuda", dtype=dtype) + 0.5
+    gate_up = torch.randn(5, 2 * 1536, device="cuda", dtype=dtype)
+    tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
+    torch.testing.assert_close(fused.rms_norm(x, weight, 1e-5), plain.rms_norm(x, weight, 1e-5), **tolerance)
+    for got, want in zip(fused.add_rms_norm(x, residual, weight, 1e-5), plain.add_rms_norm(x, residual, weight, 1e-5)):
+        torch.testing.assert_close(got, want, **tolerance)
+    torch.testing.assert_close(fused.silu_and_mul(gate_up), plain.silu_and_mul(gate_up), **tolerance)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton matrix-vector kernel runs on CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_row_linear_matches_torch(dtype):
+    from worker.engines.native.gemv import RowLinear
+
+    torch.manual_seed(0)
+    for n, k, bias in ((3072, 2048, False), (1001, 576, True), (4, 8192, False)):  # even and uneven tiles, a bias
+        linear = torch.nn.Linear(k, n, bias=bias, device="cuda", dtype=dtype)
+        x = torch.randn(1, k, device="cuda", dtype=dtype)
+        tolerance = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+        torch.testing.assert_close(RowLinear(linear)(x), linear(x), **tolerance)
+        for rows in (3, 16, 40):  # a few rows through few_rows (half precision, with PDL), more through torch
+            torch.testing.assert_close(RowLinear(linear)(x.repeat(rows, 1)), linear(x.repeat(rows, 1)), **tolerance)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels run on CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_down_projection_takes_the_activation_as_it_reads_it(dtype):
+    """One row's SiLU-and-multiply inside the matrix-vector kernel gives the two kernels' result to
+    the bit; more rows take the two kernels."""
+    from worker.engines.native.elementwise import Elementwise
+    from worker.engines.native.gemv import RowLinear, few_rows, gemv
+
+    torch.manual_seed(0)
+    ops = Elementwise()
+    ops.use_triton()
+    for n, k in ((2048, 8192), (576, 1536)):
+        down = RowLinear(torch.nn.Linear(k, n, bias=False, device="cuda", dtype=dtype))
+        gate_up = torch.randn(1, 2 * k, device="cuda", dtype=dtype) * 3
+        assert torch.equal(down.after_silu_and_mul(gate_up, ops.silu_and_mul), down(ops.silu_and_mul(gate_up)))
+        assert torch.equal(gemv(gate_up, down.linear.weight, None, gated=True),
+                           gemv(ops.silu_and_mul(gate_up), down.linear.weight, None))
+        many = gate_up.repeat(4, 1)  # two kernels: the activation once for all the rows
+        assert torch.equal(down.after_silu_and_mul(many, ops.silu_and_mul), down(ops.silu_and_mul(many)))
+    if dtype == torch.bfloat16:  # few_rows' own shapes: uneven N, a bias, every row count up to its tile
+        linear = torch.nn.Linear(512, 1001, device="cuda", dtype=dtype)
+        for rows in (2, 7, 16, 33):
+            x = torch.randn(rows, 512, device="cuda", dtype=dtype)
+            torch.testing.assert_close(few_rows(x, linear.weight, linear.bias, 32, 256, 4, 3), linear(x),
+                                       atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="programmatic dependent launch needs compute capability 9.0")
+def test_kernels_launched_early_wait_for_their_inputs_in_a_graph(monkeypatch):
+    """With PDL a kernel starts while the one before it runs; each must still read what that one
+    wrote. A layer's chain at batch 1 (norm, matrix-vector, rotary and cache write, attention, SiLU),
+    captured in a CUDA graph and replayed on a new input each time, gives what it gives launched
+    without PDL: a read before the wait would see the previous replay's values."""
+    from worker.engines.native import pdl
+    from worker.engines.native.attention import decode_attention, rope_and_store
+    from worker.engines.native.elementwise import Elementwise
+    from worker.engines.native.gemv import gemv
+
+    torch.manual_seed(0)
+    ops = Elementwise()
+    ops.use_triton()
+    heads, kv_heads, dim, width, blocks = 8, 2, 64, 512, 4
+    weights = [torch.randn(n, k, device="cuda") / k ** 0.5 for n, k in
+               (((heads + 2 * kv_heads) * dim, width), (width, heads * dim), (2 * 1024, width), (width, 1024))]
+    norm = torch.rand(width, device="cuda") + 0.5
+    k_cache, v_cache = (torch.randn(blocks * 16, kv_heads, dim, device="cuda") for _ in range(2))
+    tables = torch.arange(blocks, dtype=torch.int32, device="cuda")[None, :]
+    lens = torch.tensor([blocks * 16], dtype=torch.int32, device="cuda")
+    slots = torch.tensor([blocks * 16 - 1], device="cuda")
+    cos, sin = torch.rand(1, 1, dim, device="cuda"), torch.rand(1, 1, dim, device="cuda")
+    x_in = torch.empty(1, width, device="cuda")
+
+    def layer():
+        residual, h = ops.add_rms_norm(x_in, x_in, norm, 1e-5)
+        q, k, v = gemv(h, weights[0], None).split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
+        q, _ = rope_and_store(q.view(1, heads, dim), k.view(1, kv_heads, dim), v.view(1, kv_heads, dim), cos, sin,
+                              k_cache, v_cache, slots, ops.rotate)
+        attended = decode_attention(q, k_cache, v_cache, tables, lens, 16, None)
+        residual, h = ops.add_rms_norm(gemv(attended.view(1, -1), weights[1], None), residual, norm, 1e-5)
+        return gemv(ops.silu_and_mul(gemv(h, weights[2], None)), weights[3], None) + residual
+
+    inputs = [torch.randn(1, width, device="cuda") for _ in range(20)]
+    results = {}
+    for early in (False, True):
+        monkeypatch.setitem(pdl._SUPPORTED, torch.device("cuda", torch.cuda.current_device()), early)
+        monkeypatch.setitem(pdl._SUPPORTED, torch.device("cuda"), early)
+        x_in.copy_(inputs[0])
+        layer()  # compiles the kernels outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = layer()
+        results[early] = []
+        for value in inputs:
+            x_in.copy_(value)
+            graph.replay()
+            results[early].append(out.clone())
+    for late, early in zip(results[False], results[True]):
+        assert torch.equal(late, early)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels run on CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_projection_takes_the_norm_before_it_as_it_reads_its_row(dtype):
+    """One row's residual add and RMS norm inside the next projection's kernel: the residual stream
+    to the bit, the projection as the norm kernel and the projection give it (the sum of squares
+    adds up in another order)."""
+    from worker.engines.native.elementwise import Elementwise
+    from worker.engines.native.gemv import RowLinear
+
+    torch.manual_seed(0)
+    ops = Elementwise()
+    ops.use_triton()
+    for n, k in ((3072, 2048), (1001, 576)):  # SmolLM2's width: a row that is not a power of two
+        linear = RowLinear(torch.nn.Linear(k, n, bias=n == 1001, device="cuda", dtype=dtype))
+        x, residual = (torch.randn(1, k, device="cuda", dtype=dtype) for _ in range(2))
+        weight = torch.rand(k, device="cuda", dtype=dtype) + 0.5
+        total, out = linear.after_add_rms_norm(x, residual, weight, 1e-5)
+        want_total, h = ops.add_rms_norm(x, residual, weight, 1e-5)
+        assert torch.equal(total, want_total)
+        tolerance = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+        torch.testing.assert_close(out, linear(h), **tolerance)
+        assert linear.after_add_rms_norm(x.repeat(2, 1), residual.repeat(2, 1), weight, 1e-5) is None  # rows: two kernels
