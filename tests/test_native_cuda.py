@@ -210,3 +210,46 @@ async def test_short_prompts_admitted_beside_decodes_run_in_the_graphs(tiny_llam
         assert mine[0] == theirs[0]
         assert mine[1] == pytest.approx(theirs[1], abs=1e-4)
     assert len(graphs[-1][1]) == 3  # the scored prompt's logprobs: every token's but the first's
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton compiles its kernels on CUDA")
+async def test_after_the_warm_up_nothing_compiles_in_service(tiny_llama):
+    """The warm-up (warmup.py) runs the kinds of step a server meets: after it, prompts of several
+    lengths beside decodes, 1 to 5 at once after cached blocks, and sampled ones compile no Triton
+    kernel (each variant took 0.25-0.55 s on a fresh host). Kernels that are not warmed, tables of
+    an odd width or parts of a packed copy that are not 16 bytes in each make this fail."""
+    import random
+
+    import triton
+
+    config = load_config(None, {"HOME": "/tmp"}, {"engine.name": "native", "engine.model": str(tiny_llama),
+                                                  "engine.dtype": "bfloat16", "engine.device": "cuda"})
+    engine = NativeEngine(config)
+    await engine.load_model()
+    compiled = []
+    try:
+        await engine.warmup()
+        triton.knobs.runtime.jit_post_compile_hook = lambda **kw: compiled.append(kw["fn"].name) and False
+        rng = random.Random(4)
+        shared = [rng.randrange(2, 512) for _ in range(80)]
+
+        async def one(ids: list[int], max_tokens: int, **sampling) -> None:
+            request = GenerationRequest(request_id=f"r{rng.random()}", prompt_token_ids=ids,
+                                        sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling))
+            async for _ in engine.stream_predict(request):
+                pass
+
+        async def beside() -> None:
+            await asyncio.sleep(0.05)
+            for length in (3, 17, 40, 100, 333):
+                await one([rng.randrange(2, 512) for _ in range(length)], 3)
+            for count in range(1, 6):
+                await asyncio.gather(*(one(shared + [rng.randrange(2, 512) for _ in range(new)], 3)
+                                       for new in (2, 9, 20, 33, 70)[:count]))
+            await one([5, 6, 7], 4, temperature=0.9, top_p=0.8, seed=3)
+
+        await asyncio.gather(one([9, 10, 11], 400), beside())
+        assert compiled == []
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = None
+        await engine.unload_model()

@@ -30,6 +30,7 @@ from worker.engines.native.model import load_model
 from worker.engines.native.pacer import PrefillPacer
 from worker.engines.native.sequence import DecodeRows, Sequence, Step, batch_of, kept_rows
 from worker.engines.native.speculation import Settings, Speculator
+from worker.engines.native.warmup import warm_up
 from worker.engines.prompt import encode_prompt, load_tokenizer
 from worker.engines.sampler import make_generator
 from worker.engines.threaded import ThreadedEngine
@@ -150,6 +151,11 @@ class NativeEngine(ThreadedEngine):
                  kv_blocks=num_blocks, block_size=block_size, budget_tokens=num_blocks * block_size,
                  cuda_graphs=self.graphs.sizes if self.graphs else None, cpu_kernels=kernels,
                  cpu_isa=cpu_kernels.active())
+
+    async def warmup(self) -> None:
+        await super().warmup()
+        if self.device.type == "cuda":  # Triton's kernels compile at first use: here, not in service
+            await warm_up(self)
 
     def _kv_memory(self) -> int:
         weights = self.model.weight_bytes()

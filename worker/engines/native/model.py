@@ -144,10 +144,14 @@ class Batch:
                 [p[0] for p in self.prefills], [self.query_lens[i] for i in paged_rows],
                 [self.context_lens[i] for i in paged_rows], [self.block_tables[i] for i in paged_rows], device)
         if decodes:
-            width = max(len(self.block_tables[i]) for i in decodes)
+            # Triton compiles a variant of a kernel per integer argument divisible by 16 or not, and
+            # per dtype: a table width a multiple of 16 and (on CUDA) int64 lengths, as in the CUDA
+            # graphs, so an eager step runs the variant they compiled (another took ~0.4 s to build).
+            width = -(-max(len(self.block_tables[i]) for i in decodes) // 16) * 16
             tables = [self.block_tables[i] + [0] * (width - len(self.block_tables[i])) for i in decodes]
             self.decode_tables = torch.tensor(tables, dtype=torch.int32, device=device)
-            self.decode_lens = torch.tensor([self.context_lens[i] for i in decodes], dtype=torch.int32, device=device)
+            self.decode_lens = torch.tensor([self.context_lens[i] for i in decodes], device=device,
+                                            dtype=torch.int64 if device.type == "cuda" else torch.int32)
             in_place = (device.type == "cuda" and triton is not None) or (device.type == "cpu" and kernels.loaded())
             if not in_place:
                 self.decode_gather = decode_gather(self.decode_tables, self.decode_lens, self.block_size)

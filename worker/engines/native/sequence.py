@@ -234,11 +234,15 @@ def batch_of(scheduled: list[tuple[Sequence, int]], block_size: int, device: tor
             tables.append(blocks)
     if ids or not parts:
         parts.append(np.array([ids, positions, slots], dtype=np.int64).reshape(3, -1))
-    # One copy to the device (each tensor made from a list is a copy and a wait of its own).
-    packed = torch.from_numpy(np.concatenate([*(np.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]),
-                                              np.array(last, dtype=np.int64)]))
+    # One copy to the device (each tensor made from a list is a copy and a wait of its own), each
+    # part 16 bytes in: Triton compiles a kernel per pointer aligned so or not (the slots').
+    width = total + total % 2
+    packed = np.zeros(3 * width + len(last), dtype=np.int64)
+    packed[:3 * width].reshape(3, width)[:, :total] = np.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+    packed[3 * width:] = last
+    packed = torch.from_numpy(packed)
     packed = packed.to(device, non_blocking=True) if device.type == "cuda" else packed
     return Batch(
-        input_ids=packed[:total], positions=packed[total:2 * total], slots=packed[2 * total:3 * total],
-        query_lens=query_lens, context_lens=context_lens, block_tables=tables, last_token_index=packed[3 * total:],
+        input_ids=packed[:total], positions=packed[width:width + total], slots=packed[2 * width:2 * width + total],
+        query_lens=query_lens, context_lens=context_lens, block_tables=tables, last_token_index=packed[3 * width:],
         block_size=block_size)
