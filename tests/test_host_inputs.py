@@ -83,3 +83,34 @@ def test_rows_of_proposals_and_prompt_chunks_are_the_decode_rows_batch_of_packs(
         np.testing.assert_array_equal(inputs.tables.numpy()[row, :len(table)], table)
     assert width == max(len(t) for t in batch.block_tables)
     assert logit_rows(scheduled) == batch.last_token_index.tolist() == [0, 1, 2, 3, 4, 11]
+
+
+def test_prompts_joining_a_step_launched_ahead_follow_its_decode_rows():
+    """A step launched ahead with short prompts admitted: the decodes' rows, one token further
+    each (their ids come from the device), then a row per prompt token, each as a full pass
+    over the same rows writes them."""
+    blocks = BlockManager(200, BLOCK, prefix_caching=False)
+    decodes = [sequence(length) for length in (3, 4, 8)]
+    prompt = sequence(7)
+    prompt.num_cached = BLOCK  # its first block came from the prefix cache
+    for seq in decodes:
+        blocks.grow(seq.blocks, len(seq.tokens) + 1)
+    blocks.grow(prompt.blocks, len(prompt.tokens))
+    inputs = HostInputs(16, 16, pin=False)
+    inputs.fill(decodes, BLOCK, ahead=True)  # the step before, launched ahead of the same rows
+    for seq in decodes:
+        seq.tokens.append(0)
+        seq.num_cached += 1
+        blocks.grow(seq.blocks, len(seq.tokens) + 1)
+    first, width = inputs.fill(decodes, BLOCK, ahead=True)
+    rows, more = inputs.fill_rows([(prompt, 3)], BLOCK, start=first)
+    # The same rows in one pass: each decode as a row of its pending token.
+    for seq in decodes:
+        seq.num_cached = len(seq.tokens)
+        seq.tokens.append(-1)
+    full = HostInputs(16, 16, pin=False)
+    expected = full.fill_rows([*((seq, 1) for seq in decodes), (prompt, 3)], BLOCK)
+    assert (rows, max(width, more)) == expected == (6, 3)
+    for mine, theirs in zip(written(inputs, *expected), written(full, *expected)):
+        np.testing.assert_array_equal(mine, theirs)
+    assert inputs.packed.numpy()[0, first:rows].tolist() == [4, 5, 6]  # the prompt's own ids

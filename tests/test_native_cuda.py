@@ -47,11 +47,15 @@ async def test_steps_launched_ahead_end_each_stream_at_its_token(tiny_llama, mon
 
     try:
         alone = await run(0, max_tokens=40)
-        assert len(alone) == 40 and sum(step is not None for step in launched) > 30
+        # Every step after the prompt's went ahead but after the last token's (none is needed).
+        assert len(alone) == 40 and sum(step is not None for step in launched) == 39 and launched[-1] is None
         stop = alone[9]
         assert await run(0, max_tokens=40, stop_token_ids=[stop]) == alone[:alone.index(stop) + 1]
         outputs = await asyncio.gather(*(run(i, max_tokens=n) for i, n in enumerate((1, 2, 17, 33))))
         assert [len(tokens) for tokens in outputs] == [1, 2, 17, 33]
+        # Rows of ended sequences left out of the steps after theirs: the others' tokens stay theirs.
+        for index, tokens in enumerate(outputs):
+            assert tokens == (await run(index, max_tokens=33))[:len(tokens)], index
         stream = engine.stream_predict(GenerationRequest(request_id="gone", prompt_token_ids=prompt,
                                                          sampling=SamplingParams(max_tokens=500, ignore_eos=True)))
         received, aborted = 0, False
@@ -156,15 +160,15 @@ async def test_speculation_gives_the_same_tokens_on_cuda(tiny_llama, eager):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA graphs' rows")
 async def test_short_prompts_admitted_beside_decodes_run_in_the_graphs(tiny_llama, monkeypatch):
     """A step that admits a short prompt (after a cached block, or fresh, or scored for prompt
-    logprobs) beside running decodes runs in the graphs, a row per prompt token: every request
-    gets the tokens and logprobs it gets from an engine that runs no graphs, and every block
-    comes back."""
+    logprobs) beside running decodes runs in the graphs, a row per prompt token, and unscored
+    prompts join the decodes' step launched ahead: every request gets the tokens and logprobs it
+    gets from an engine that runs no graphs, and every block comes back."""
     from worker.engines.native.graphs import DecodeGraphs
 
-    chunked = []
+    chunked, joined = [], []  # prompt rows' counts, of steps scheduled on the host / launched ahead
     rows = DecodeGraphs.rows
-    monkeypatch.setattr(DecodeGraphs, "rows", lambda self, scheduled, size: chunked.append(
-        [count for _, count in scheduled]) or rows(self, scheduled, size))
+    monkeypatch.setattr(DecodeGraphs, "rows", lambda self, scheduled, size, **ahead: (
+        joined if ahead else chunked).append([count for _, count in scheduled]) or rows(self, scheduled, size, **ahead))
     shared = list(range(2, 34))  # two blocks of 16: a later prompt starting so finds them cached
 
     async def run(eager: bool) -> list:
@@ -202,10 +206,13 @@ async def test_short_prompts_admitted_beside_decodes_run_in_the_graphs(tiny_llam
             await engine.unload_model()
 
     graphs = await run(False)
-    assert any(max(counts) > 1 for counts in chunked), chunked  # a prompt chunk ran in the graphs
+    assert any(counts[-1] == 4 for counts in chunked), chunked  # the scored prompt, scheduled on the host
+    # The cached prompt's 5 new tokens and the fresh one's 6 joined steps launched ahead.
+    assert sorted(count for counts in joined for count in counts) == [5, 6], joined
     chunked.clear()
+    joined.clear()
     eager = await run(True)
-    assert not chunked
+    assert not chunked and not joined
     for mine, theirs in zip(graphs, eager):
         assert mine[0] == theirs[0]
         assert mine[1] == pytest.approx(theirs[1], abs=1e-4)

@@ -68,17 +68,52 @@ class Batcher:
             budget -= self.speculator.propose(scheduled, self.blocks, self.overlap)
         if self.waiting and len(self.running) < self.max_num_seqs:  # a chunk may join: price the decodes
             self.step_flops = sum(self.pacer.cost(count, seq.num_cached) for seq, count in scheduled)
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        self._admit(scheduled, budget)
+        return scheduled
+
+    def ahead(self, seqs: list[Sequence], rows: int, fits: Callable[[Sequence, int], bool]) -> list[tuple[Sequence, int]] | None:
+        """The (sequence, tokens) rows of the step after the one running, for `seqs` of its rows, each
+        sampling a token still on the device (engine._launch_ahead): a decode of that token each,
+        then whole prompts waiting that `fits` takes (sequence.DecodeRows), oldest first, within
+        `rows` rows in all. None when that step is not known yet: the blocks cannot hold the
+        pending tokens, or the oldest waiting prompt cannot join so (a long one, one scored for
+        prompt logprobs)."""
+        growing = []  # one pass over the rows: at batch 256 the engine thread is the bottleneck
+        for seq in seqs:
+            if len(seq.tokens) >= len(seq.blocks.blocks) * self.blocks.block_size:
+                growing.append(seq)
+        if len(growing) > self.blocks.num_free:
+            return None
+        for seq in growing:
+            self.blocks.grow(seq.blocks, len(seq.tokens) + 1)
+        scheduled = [(seq, 1) for seq in seqs]
+        if not self.waiting or self._admit(scheduled, min(self.max_batched_tokens, rows) - len(seqs), fits):
+            return scheduled
+        return scheduled if len(scheduled) > len(seqs) else None
+
+    def _admit(self, scheduled: list[tuple[Sequence, int]], budget: int,
+               whole: Callable[[Sequence, int], bool] | None = None) -> bool:
+        """Prefill chunks of waiting sequences into `scheduled`, oldest first, within `budget` tokens
+        and the pacer; with `whole`, only whole prompts that it takes. False when the oldest one
+        was refused by `whole` or the budget (not for want of blocks or slots)."""
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            if budget <= 0:
+                return whole is None
             seq = self.waiting[0]
             starting = not seq.blocks
             if starting:  # a prompt being scored needs every position's logits: none from the cache
                 seq.num_cached, queried = (0, 0) if seq.scores_prompt else self.blocks.match_prefix(seq.blocks, seq.tokens)
-            chunk = self.pacer.chunk(seq.num_cached, len(seq.tokens) - seq.num_cached, budget, self.step_flops)
-            if not self.blocks.can_grow(seq.blocks, seq.num_cached + chunk):
+            left = len(seq.tokens) - seq.num_cached
+            if whole is None:
+                chunk, refused = self.pacer.chunk(seq.num_cached, left, budget, self.step_flops), False
+            else:
+                chunk = left
+                refused = seq.scores_prompt or chunk > budget or not whole(seq, chunk)
+            if refused or not self.blocks.can_grow(seq.blocks, seq.num_cached + chunk):
                 if starting:  # a waiting sequence holds no blocks until it runs
                     self.blocks.release(seq.blocks)
                     seq.num_cached = 0
-                break
+                return not refused
             if starting:
                 self.prefix_queried_tokens += queried
                 self.prefix_hit_tokens += seq.num_cached
@@ -90,7 +125,7 @@ class Batcher:
                 self.running.append(self.waiting.popleft())
             else:
                 break  # a chunked prefill goes on next step
-        return scheduled
+        return True
 
     def _preempt(self, seq: Sequence) -> None:
         self.on_preempt(seq)

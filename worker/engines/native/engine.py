@@ -5,9 +5,9 @@ step's rows, running sequences decoding one token each and waiting ones prefilli
 preempts the newest running sequence when blocks run out. launch() queues the
 forward pass and the sampling on the device; read() waits for the tokens. On CUDA the thread keeps the
 device busy while it works: a step's tokens become text and messages (emit) while the next step runs,
-and a decode step whose successor is known before its tokens are (the same sequences, nothing
-waiting) has that successor's forward pass launched first, fed with its tokens on the device; its
-sampling too, unless a row needs its last token on the host first (a grammar, penalties, logprobs).
+and a decode step whose successor is known before its tokens are (the same sequences, and
+short prompts waiting) has that successor's forward pass launched first, fed with its tokens on the
+device; its sampling too, unless a row needs its last token on the host first (a grammar, penalties, logprobs).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from worker.engines.native.sequence import DecodeRows, Sequence, Step, batch_of,
 from worker.engines.native.speculation import Settings, Speculator
 from worker.engines.native.warmup import warm_up
 from worker.engines.prompt import encode_prompt, load_tokenizer
-from worker.engines.sampler import make_generator
+from worker.engines.sampler import Rows, make_generator
 from worker.engines.threaded import ThreadedEngine
 from worker.errors import DeviceOutOfMemory
 from worker.models import locate_model
@@ -281,16 +281,10 @@ class NativeEngine(ThreadedEngine):
                 self._post(seq.stream.fail, DeviceOutOfMemory("device out of memory on this step"))
             return None
 
-    def _launch(self, scheduled: list[tuple[Sequence, int]], after: Step | None = None) -> Step:
-        """Queues the step and its sampling; nothing here waits for the device. `after`: the step
-        still running whose sampled tokens are this decode step's inputs (see _launch_ahead)."""
+    def _launch(self, scheduled: list[tuple[Sequence, int]]) -> Step:
+        """Queues the step and its sampling; nothing here waits for the device."""
         if not scheduled:
             return Step([])
-        if after is not None:  # `after`'s rows, one decode each, every one ready: sampled as they were
-            step = Step(scheduled, ready=after.ready, rows=after.rows,
-                        logits=self.graphs.decode(after.ready, self.blocks.block_size, after.tokens))
-            # A row that needs its last token on the host first is sampled once `after` is read.
-            return step.sample(self.grammars) if step.rows.plain else step
         logits = self._forward(scheduled)
         if logits is None:  # out of memory; the step's sequences have failed
             return Step([])
@@ -318,30 +312,33 @@ class NativeEngine(ThreadedEngine):
         """The decode step after `step`, launched before `step`'s tokens reach the host: they go
         from the sampler into the graph's inputs on the device, so the device does not wait while
         this thread reads them and schedules. Only where that step is already known: every row of
-        `step` samples and none can end by its length, nothing waits to join and the blocks are
-        free; and where a sequence may propose, only while launching ahead has lately paid more
-        (Speculator.schedules_next). Rows of sequences that the pending tokens end (EOS, a stop)
-        are computed and dropped; their slot writes land in blocks that stream order keeps from
-        anyone else until this step is done."""
+        `step` samples, and Batcher.ahead knows the rows (short prompts may join them); and where
+        a sequence may propose, only while launching ahead has lately paid more
+        (Speculator.schedules_next). Sequences ended, or whose pending token is their last by
+        length, get no row (a step of such rows alone held an 8B shape's next prompt back ~5 ms on
+        an H100). Rows of those that a pending token ends otherwise (EOS, a stop id) are computed
+        and dropped; their slot writes land in blocks that stream order keeps from anyone else
+        until this step is done."""
         seqs = step.ready
-        if (self.graphs is None or self.batcher.waiting or not seqs or len(seqs) != len(step.scheduled)
+        if (self.graphs is None or not seqs or len(seqs) != len(step.scheduled)
                 or len(seqs) > self.graphs.max_batch
                 or any(seq.proposer and seq.proposer.active for seq in seqs) and self.speculator.schedules_next()):
             return None
-        # One pass (at batch 256 this thread is the bottleneck): the cache must hold each sequence's
-        # known tokens and the pending one, which must not be its last.
-        block_size, growing = self.blocks.block_size, []
-        for seq in seqs:
-            known = len(seq.tokens)
-            if seq.done or known + 1 >= seq.end:
-                return None
-            if known >= len(seq.blocks.blocks) * block_size:
-                growing.append(seq)
-        if len(growing) > self.blocks.num_free:
+        kept = [i for i, seq in enumerate(seqs) if not seq.done and len(seq.tokens) + 1 < seq.end]
+        live = seqs if len(kept) == len(seqs) else [seqs[i] for i in kept]
+        scheduled = self.batcher.ahead(live, self.graphs.max_batch, self.decode_rows)
+        if not scheduled:
             return None
-        for seq in growing:
-            self.blocks.grow(seq.blocks, len(seq.tokens) + 1)
-        return self._launch([(seq, 1) for seq in seqs], after=step)
+        pending = step.tokens if live is seqs else self.graphs.pick(step.tokens, kept)
+        joined, block_size = scheduled[len(live):], self.blocks.block_size
+        if joined:
+            ahead = Step(scheduled, ready=live + [seq for seq, _ in joined],
+                         logits=self.graphs.rows(joined, block_size, ahead=live, pending=pending if live else None))
+        else:
+            ahead = Step(scheduled, ready=live, logits=self.graphs.decode(live, block_size, pending))
+        ahead.rows = step.rows if ahead.ready is seqs else Rows(ahead.ready)  # sampled as they were
+        # A row that needs its last token on the host first is sampled once `step` is read.
+        return ahead.sample(self.grammars) if ahead.rows.plain else ahead
 
     def _read(self, step: Step) -> list[tuple[Sequence, list[int]]]:
         """The step's outcome on the host: each row's tokens counted in the cache, the sampled (or

@@ -69,22 +69,30 @@ class DecodeGraphs:
         n, width = self.host.fill(seqs, block_size, ahead=pending is not None)
         return self.run(n, width, pending)
 
-    def rows(self, scheduled: list[tuple[Sequence, int]], block_size: int) -> torch.Tensor:
+    def rows(self, scheduled: list[tuple[Sequence, int]], block_size: int, ahead: list[Sequence] = (),
+             pending: torch.Tensor | None = None) -> torch.Tensor:
         """The logits the step keeps (sequence.logit_rows) of a step whose (sequence, tokens) rows
         all run as one-token decodes (sequence.DecodeRows): a graph row for every token, proposals'
-        and short prompt chunks' too."""
+        and short prompt chunks' too. `ahead`, `pending`: sequences whose rows come first, one decode
+        each of its pending token (as decode() takes them); every one of their logits is kept."""
         self.copied.synchronize()
-        n, width = self.host.fill_rows(scheduled, block_size)
-        logits, keep = self.run(n, width), logit_rows(scheduled)
+        first, width = self.host.fill(ahead, block_size, ahead=True) if ahead else (0, 0)
+        n, more = self.host.fill_rows(scheduled, block_size, start=first)
+        logits = self.run(n, max(width, more), pending)
+        keep = [*range(first), *(first + row for row in logit_rows(scheduled))]
         if len(keep) == n:
             return logits
-        # Pinned, so the copy does not wait for the graph (a list index would).
-        return logits.index_select(0, torch.tensor(keep).pin_memory().to(logits.device, non_blocking=True))
+        return self.pick(logits, keep)
+
+    def pick(self, tokens: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """tokens[rows], on the device: the index copied from pinned memory, so it does not wait for
+        what computes `tokens` (a list index would)."""
+        return tokens.index_select(0, torch.tensor(rows).pin_memory().to(tokens.device, non_blocking=True))
 
     def run(self, n: int, width: int, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (n, vocab) of the n one-token decodes in rows [0, n) of the host inputs, whose block
-        tables are at most `width` long; valid until the next run. `input_ids` (n,) on the device
-        replace the host inputs' token ids."""
+        tables are at most `width` long; valid until the next run. `input_ids` (m,) on the device
+        replace the host inputs' token ids of the first m rows."""
         size = next(s for s in self.sizes if s >= n)
         packed = self.host.packed.numpy()
         packed[:, n:size] = 0  # padding rows: length 0, their K/V written to the scratch slot
@@ -93,7 +101,7 @@ class DecodeGraphs:
         self.tables[:n, :width].copy_(self.host.tables[:n, :width], non_blocking=True)
         self.copied.record()
         if input_ids is not None:
-            self.input_ids[:n].copy_(input_ids)
+            self.input_ids[:len(input_ids)].copy_(input_ids)
         self.graphs[size].replay()
         return self.logits[size][:n]
 
@@ -157,13 +165,13 @@ class HostInputs:
             self._width = max(self._width, len(table))
         return self._width
 
-    def fill_rows(self, scheduled: list[tuple[Sequence, int]], block_size: int) -> tuple[int, int]:
+    def fill_rows(self, scheduled: list[tuple[Sequence, int]], block_size: int, start: int = 0) -> tuple[int, int]:
         """fill() for a step of (sequence, tokens) rows, some of more than one token (proposals,
-        Sequence.draft, or a short prompt chunk): a row for each token, in order, written one by
-        one. Returns (rows, width)."""
+        Sequence.draft, or a short prompt chunk): a row for each token, in order from row `start`,
+        written one by one. Returns (rows in all, width)."""
         (ids, positions, slots, lens), tables = self.packed.numpy(), self.tables.numpy()
         self._ahead = None
-        width = row = 0
+        width, row = 0, start
         for seq, count in scheduled:
             position, table = seq.num_cached, seq.blocks.blocks
             known = seq.tokens[position:position + count]
