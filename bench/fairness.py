@@ -8,8 +8,10 @@ clients, each asking for 4x their tokens (64 against 16). Two scenarios, with tw
 tenants:
 
 - backlogged: every tenant keeps more requests outstanding than its fair share of slots (closed
-  loop: the flood 80 clients, each light tenant 8). Reported: each tenant's share of the tokens
-  generated after a warm-up, the total tokens/s, and requests finished per 1,000 tokens: a
+  loop: the flood 80 clients, each light tenant 8). Reported: each tenant's share of the service
+  after a warm-up as VTC counts it (prompt tokens weighted 1, generated tokens 2: a light request
+  pays its prompt for 16 tokens, a flood request for 64) and of the tokens generated alone, the
+  total tokens/s, and requests finished per 1,000 tokens: a
   request costs its prompt and a step with its slot empty between one request and the next,
   which the fair mix, of 2-4x FCFS's requests per token, pays more often.
 - latency: each light tenant sends Poisson arrivals well below its share (8 tokens each; synthetic
@@ -56,9 +58,11 @@ sys.path.insert(0, str(REPO))
 
 from bench.structured import machine  # noqa: E402
 from bench.transport import cy_llm, wait_ready  # noqa: E402
+from worker.config import TenantsConfig  # noqa: E402
 from worker.loadgen import percentile  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
+PROMPT_WEIGHT, OUTPUT_WEIGHT = TenantsConfig.prompt_weight, TenantsConfig.output_weight
 KEY = "x-gateway-inference-fairness-id"
 WARMUP_S = 2.0
 
@@ -103,6 +107,7 @@ class Run:
             *POLICIES[policy], "--set", "server.log_level=warning"), cwd=REPO)
         wait_ready(self.socket, self.proc)
         self.records: list[list] = []
+        self.prompt_tokens = 0  # every request's (one prompt), from a finished one's usage
 
     async def ask(self, stub, pb, tenant: str, max_tokens: int) -> None:
         request = pb.PredictRequest(prompt="a short question of eight words here", metadata={KEY: tenant},
@@ -116,6 +121,7 @@ class Run:
                 now = time.perf_counter()
                 entry[2] = entry[2] or now
                 entry[3].append((now, len(reply.token_ids)))
+            self.prompt_tokens = reply.usage.prompt_tokens or self.prompt_tokens
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -175,8 +181,15 @@ def report(run: Run, started: float, seconds: float, tenants: list[str]) -> dict
                    if ts and window[0] <= ts[-1][0] < window[1] and sum(n for _, n in ts) == asked)
     ttft = {t: [(f - s) * 1000 for tenant, s, f, _, _ in run.records if tenant == t and f is not None and s >= window[0]]
             for t in tenants}
+    # The service VTC counts: prompt tokens at admission (here: requests started in the window)
+    # and generated ones, weighted as the worker's defaults weigh them.
+    started_here = {t: sum(1 for tenant, _, f, _, _ in run.records if tenant == t and f is not None and window[0] <= f < window[1])
+                    for t in tenants}
+    service = {t: PROMPT_WEIGHT * run.prompt_tokens * started_here[t] + OUTPUT_WEIGHT * tokens[t] for t in tenants}
     return {"tokens_per_s": total / (window[1] - window[0]),
             "share": {t: tokens[t] / total if total else 0.0 for t in tenants},
+            "service_share": {t: service[t] / sum(service.values()) if total else 0.0 for t in tenants},
+            "prompt_tokens": run.prompt_tokens,
             "requests_per_1k_tokens": 1000 * finished / total if total else None,
             "ttft_samples_ms": ttft}
 
@@ -229,8 +242,12 @@ def summary(rows: list[dict], policies: list[str]) -> dict:
             steps = [r["flood_step_ms"] for r in pick(policy, "latency") if r["flood_step_ms"]]
             light_names = [t for t in alone["per_tenant"] if t != "flood"]
             one[policy] = {
-                "max_share_error": statistics.median(max(abs(s - equal) / equal for s in r["share"].values())
+                # Of the service the policy shares (weighted prompt and generated tokens), and of
+                # the generated tokens alone: a tenant of short requests pays more prompt a token.
+                "max_share_error": statistics.median(max(abs(s - equal) / equal for s in r["service_share"].values())
                                                      for r in backlogged),
+                "max_generated_share_error": statistics.median(max(abs(s - equal) / equal for s in r["share"].values())
+                                                               for r in backlogged),
                 "throughput_vs_fcfs": statistics.median(r["tokens_per_s"] / fcfs[r["round"]]["tokens_per_s"]
                                                         for r in backlogged),
                 "throughput_vs_fcfs_rounds": [r["tokens_per_s"] / fcfs[r["round"]]["tokens_per_s"] for r in backlogged],
@@ -264,13 +281,13 @@ def plot(result: dict, path: Path) -> None:
         backlogged = [r for r in result["rows"] if r["tenants"] == count and r["scenario"] == "backlogged"]
         for offset, policy in zip((-0.3, -0.1, 0.1, 0.3), policies):
             runs = [r for r in backlogged if r["policy"] == policy]
-            names = list(runs[0]["share"])
-            means = [statistics.mean(r["share"][n] for r in runs) for n in names]
+            names = list(runs[0]["service_share"])
+            means = [statistics.mean(r["service_share"][n] for r in runs) for n in names]
             ratio = summary[f"{count}_tenants"][policy]["throughput_vs_fcfs"]
             shares.bar([i + offset for i in range(len(names))], means, 0.2, label=f"{policy} ({ratio:.2f}x FCFS tok/s)")
             shares.set_xticks(range(len(names)), names)
         shares.axhline(1 / count, color="k", lw=0.8, ls="--")
-        shares.set_ylabel("share of tokens generated (backlogged)")
+        shares.set_ylabel("share of service, VTC's weighted tokens (backlogged)")
         shares.set_title(f"{count} tenants: token shares, mean of {result['workload']['rounds']} rounds", fontsize=9)
         shares.legend(fontsize=8)
         one = summary[f"{count}_tenants"]
