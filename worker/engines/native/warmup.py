@@ -7,7 +7,7 @@ a fresh host, 0.25-0.55 s each (Llama-1B shape on an H100, Triton's cache empty)
 cached prefix (the paged prefill kernel, for up to 16 new tokens and for more), and the greedy
 choice (sampler.argmax) over up to 16 rows and over more, of the model's logits and of float ones
 (sampling, penalties). A first batch of prompts sharing a prefix took 1.77 s to its first tokens,
-against 51 ms after this warm-up, which takes ~1.6 s with Triton's cache empty and less once full.
+against 51-67 ms after this warm-up, which takes 1.6-2.5 s with Triton's cache empty, less once full.
 """
 
 from __future__ import annotations
