@@ -240,14 +240,16 @@ async def test_after_the_warm_up_nothing_compiles_in_service(tiny_llama):
         rng = random.Random(4)
         shared = [rng.randrange(2, 512) for _ in range(80)]
 
+        decoding = asyncio.Event()  # set at the long request's first token: the rest run beside it
+
         async def one(ids: list[int], max_tokens: int, **sampling) -> None:
             request = GenerationRequest(request_id=f"r{rng.random()}", prompt_token_ids=ids,
                                         sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling))
             async for _ in engine.stream_predict(request):
-                pass
+                decoding.set()
 
         async def beside() -> None:
-            await asyncio.sleep(0.05)
+            await decoding.wait()
             for length in (3, 17, 40, 100, 333):
                 await one([rng.randrange(2, 512) for _ in range(length)], 3)
             for count in range(1, 6):

@@ -2,12 +2,10 @@
 
 Each step reads as schedule() -> launch() -> read() -> emit(): the Batcher (batcher.py) picks the
 step's rows, running sequences decoding one token each and waiting ones prefilling in chunks, and
-preempts the newest running sequence when blocks run out. launch() queues the
-forward pass and the sampling on the device; read() waits for the tokens. On CUDA the thread keeps the
-device busy while it works: a step's tokens become text and messages (emit) while the next step runs,
-and a decode step whose successor is known before its tokens are (the same sequences, and
-short prompts waiting) has that successor's forward pass launched first, fed with its tokens on the
-device; its sampling too, unless a row needs its last token on the host first (a grammar, penalties, logprobs).
+preempts the newest running sequence when blocks run out. launch() queues the forward pass and the
+sampling on the device; read() waits for the tokens. On CUDA a step's tokens become text and
+messages (emit) while the next step runs, and a decode step whose successor is known before its
+tokens are has that successor launched first, fed with its tokens on the device (_launch_ahead).
 """
 
 from __future__ import annotations
@@ -312,13 +310,11 @@ class NativeEngine(ThreadedEngine):
         """The decode step after `step`, launched before `step`'s tokens reach the host: they go
         from the sampler into the graph's inputs on the device, so the device does not wait while
         this thread reads them and schedules. Only where that step is already known: every row of
-        `step` samples, and Batcher.ahead knows the rows (short prompts may join them); and where
-        a sequence may propose, only while launching ahead has lately paid more
-        (Speculator.schedules_next). Sequences ended, or whose pending token is their last by
-        length, get no row (a step of such rows alone held an 8B shape's next prompt back ~5 ms on
-        an H100). Rows of those that a pending token ends otherwise (EOS, a stop id) are computed
-        and dropped; their slot writes land in blocks that stream order keeps from anyone else
-        until this step is done."""
+        `step` samples and Batcher.ahead knows the rows (short prompts may join them); with a
+        sequence that may propose, only while that has lately paid (Speculator.schedules_next).
+        Sequences ended, or whose pending token is their last by length, get no row; rows that a
+        pending EOS or stop id ends are computed and dropped, their slot writes in blocks that
+        stream order keeps from anyone else until this step is done."""
         seqs = step.ready
         if (self.graphs is None or not seqs or len(seqs) != len(step.scheduled)
                 or len(seqs) > self.graphs.max_batch
