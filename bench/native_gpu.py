@@ -12,10 +12,11 @@ For each model shape (random weights, default RoPE; a word-level tokenizer of th
    decode-attention kernel alone, contexts split in parts and not, by context length;
 4. prefix sharing (first shape): 64 requests after one 1,024-token system prompt, cache on and off.
 
-Writes bench/results/native_gpu.json and native_gpu.png.
+Writes bench/results/native_gpu.json and native_gpu.png (--name: another file name, e.g. one per
+device: native_gpu_h200).
 
     python bench/native_gpu.py [--shapes llama-3.2-1b,llama-3.1-8b] [--batches 1,16,64,256] [--repeats 3]
-                               [--skip-equivalence] [--skip-prefix]
+                               [--skip-equivalence] [--skip-prefix] [--name native_gpu]
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.gpu_roofline import DecodeProfile, StepModel, copy_bandwidth, matmul_peak  # noqa: E402
+from bench.structured import machine  # noqa: E402
 from worker.config_loader import load_config  # noqa: E402
 from worker.engines.native.engine import NativeEngine  # noqa: E402
 from worker.loadgen import percentile  # noqa: E402
@@ -340,11 +342,12 @@ async def main() -> int:
     parser.add_argument("--skip-equivalence", action="store_true")
     parser.add_argument("--skip-prefix", action="store_true", help="leave out the prefix-sharing run")
     parser.add_argument("--repeats", type=int, default=3, help="native runs at each batch size; the median is reported")
+    parser.add_argument("--name", default="native_gpu", help="the results' file name, without .json / .png")
     args = parser.parse_args()
     names = args.shapes.split(",")
     batches = [int(b) for b in args.batches.split(",")]
     result = {"benchmark": "native_gpu", "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__,
-              "when": time.strftime("%Y-%m-%d %H:%M"), "prompt_tokens": PROMPT, "new_tokens": NEW}
+              "when": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(DEVICE), "prompt_tokens": PROMPT, "new_tokens": NEW}
     result["copy_bandwidth_bytes_per_s"] = copy_bandwidth(DEVICE)
     result["matmul_peak_flops"] = matmul_peak(DEVICE)
     print(f"copy bandwidth {result['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul "
@@ -362,9 +365,9 @@ async def main() -> int:
                                                      prefix=index == 0 and not args.skip_prefix,
                                                      repeats=args.repeats))
             RESULTS.mkdir(parents=True, exist_ok=True)  # written as it goes: a later shape may not fit the time
-            (RESULTS / "native_gpu.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, RESULTS / "native_gpu.png")
-    print(f"wrote {RESULTS / 'native_gpu.json'} and native_gpu.png")
+            (RESULTS / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, RESULTS / f"{args.name}.png")
+    print(f"wrote {RESULTS / args.name}.json and .png")
     return 0
 
 
