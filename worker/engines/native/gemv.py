@@ -101,7 +101,7 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gate
     """The matrix-vector kernel's launch; norm: (residual, norm weight, total out, eps)."""
     n, k = weight.shape
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    rows, tile, warps, stages = (None if gated else row_config(x.device, k)) or (
+    rows, tile, warps, stages = row_config(x.device, k) or (
         8 if n >= 3072 else 4,  # the fastest for the shapes above: more programs for the narrow ones
         2048,  # with PDL a whole 2048-wide row is read before the wait
         8, 4 if k >= 8192 else 3)
@@ -116,13 +116,15 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gate
     return out
 
 
-ROW_CONFIGS = {"H200": (2048, (4, 1024, 4, 4))}
-"""gemv's (rows, tile, warps, stages) for the products not gated, by a part of the device's name (as
+ROW_CONFIGS = {"H200": (4096, (4, 1024, 4, 4))}
+"""gemv's (rows, tile, warps, stages) by a part of the device's name (as
 vLLM keys its Triton configs): (the widest K it was measured for, config); others take the H100's
-above. On an H200 the Llama-1B shapes' qkv, gate_up and LM head (K 2048) were fastest so (a sweep,
-each timed in a CUDA graph: the step's GEMVs 693 -> 645 us) and a batch-1 step took 0.846 against
-0.899 ms (alternated three times in one process). On an H100 the same config took the 1B step from
-1.067 to 1.068 ms and the 8B shape's (K 4096) from 5.46 to 5.51; gated it was slower on both."""
+above. On an H200 the Llama-1B shapes' qkv, gate_up and LM head were fastest so (a sweep, each timed
+in a CUDA graph: the step's GEMVs 693 -> 645 us); alternated three times in one process, a batch-1
+step of the 1B shape took 0.848 against 0.899 ms, of the 8B shape (K 4096) 4.244 against 4.305. On
+an H100 the same config took the 1B step from 1.067 to 1.068 ms and the 8B one from 5.46 to 5.51.
+Gated products take it too, so that the down projection's gated kernel keeps the two kernels' bits
+(those shapes' down projections, K 8192 and 14336, keep the H100's config)."""
 
 _ROW_CONFIG: dict[torch.device, tuple[int, tuple[int, int, int, int]] | None] = {}
 
