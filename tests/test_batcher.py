@@ -54,6 +54,31 @@ def test_short_prompts_join_whole_after_a_cached_prefix_within_the_rows():
     assert not third.blocks.blocks and len(after.blocks.blocks) == 4 and len(fresh.blocks.blocks) == 2
 
 
+def test_a_burst_of_prompts_goes_to_the_host_step_whole():
+    """Prompts left waiting past another step's rows go to a step on the host, which takes them in
+    chunks of max_batched_tokens: the ones that would have joined go back as they were, the
+    cached prefix they matched included."""
+    lanes = batcher()
+    cached = prompt(range(10, 22))
+    lanes.blocks.grow(cached.blocks, 12)
+    lanes.blocks.commit(cached.blocks, cached.tokens, 12)
+    lanes.blocks.release(cached.blocks)  # its blocks free, their names kept for the next to match
+    running = decoding(lanes, 3)
+    burst = [prompt([*range(10, 22), 5, 6])] + [prompt(range(30 + 10 * i, 36 + 10 * i)) for i in range(5)]
+    for seq in burst:
+        lanes.add(seq)
+    free = lanes.blocks.num_free
+    # 11 rows after the decode: the first (2 new tokens after its cached 12) and the second would
+    # join; the 24 tokens left over are more than another step's 12 rows.
+    assert lanes.ahead([running], rows=12, fits=GRAPH_ROWS) is None
+    assert list(lanes.waiting) == burst and lanes.running == [running]
+    assert all(not seq.blocks.blocks and seq.num_cached == 0 for seq in burst)
+    assert lanes.blocks.num_free == free and lanes.prefix_hit_tokens == 0 and lanes.prefix_queried_tokens == 0
+    # The host step then takes the burst in one chunk, the first after its cached prefix still.
+    assert lanes.schedule() == [(running, 1), (burst[0], 2)] + [(seq, 6) for seq in burst[1:]]
+    assert burst[0].num_cached == 12 and lanes.prefix_hit_tokens == 12
+
+
 def test_the_oldest_waiting_one_that_cannot_join_keeps_the_step_on_the_host():
     """A prompt too long for the rows' bound, or scored for prompt logprobs (every position's
     logits), must be scheduled once the last step is read: None, and no prompt takes anything."""

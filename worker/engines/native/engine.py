@@ -267,7 +267,9 @@ class NativeEngine(ThreadedEngine):
                 return self.graphs.decode([seq for seq, _ in scheduled], self.blocks.block_size)
             if all(self.decode_rows(seq, c) for seq, c in scheduled):
                 return self.graphs.rows(scheduled, self.blocks.block_size)
-        batch = batch_of(scheduled, self.blocks.block_size, self.device, self.decode_rows)
+        # Past the graphs prompt chunks are prefills (as rows, 8,192 prompt tokens each read their
+        # context again, and their tables took an H200's host 15 ms); the CPU's one-call decoder takes rows.
+        batch = batch_of(scheduled, self.blocks.block_size, self.device, DecodeRows() if self.graphs else self.decode_rows)
         try:
             return self.model(batch, self.k_cache, self.v_cache)
         except torch.OutOfMemoryError:
@@ -307,14 +309,12 @@ class NativeEngine(ThreadedEngine):
         return step.sample(self.grammars)
 
     def _launch_ahead(self, step: Step) -> Step | None:
-        """The decode step after `step`, launched before `step`'s tokens reach the host: they go
-        from the sampler into the graph's inputs on the device, so the device does not wait while
-        this thread reads them and schedules. Only where that step is already known: every row of
-        `step` samples and Batcher.ahead knows the rows (short prompts may join them); with a
-        sequence that may propose, only while that has lately paid (Speculator.schedules_next).
-        Sequences ended, or whose pending token is their last by length, get no row; rows that a
-        pending EOS or stop id ends are computed and dropped, their slot writes in blocks that
-        stream order keeps from anyone else until this step is done."""
+        """The decode step after `step`, launched before `step`'s tokens reach the host (they go from
+        the sampler into the graph's inputs on the device), where that step is known: every row of
+        `step` samples, Batcher.ahead knows the rows (short prompts may join), and proposing lately
+        paid (Speculator.schedules_next). Sequences ended, or whose pending token is their last by
+        length, get no row; rows a pending EOS or stop id ends are computed and dropped, their slot
+        writes in blocks that stream order keeps from anyone else until this step is done."""
         seqs = step.ready
         if (self.graphs is None or not seqs or len(seqs) != len(step.scheduled)
                 or len(seqs) > self.graphs.max_batch
