@@ -1,5 +1,5 @@
-"""The native engine's CUDA kernels (these tests skip without a CUDA GPU): Triton's against the
-torch paths, PDL's waits inside a graph, and SDPA's backends for prompts."""
+"""The native engine's CUDA kernels (these tests skip without a CUDA GPU, but for the choice of
+config): Triton's against the torch paths, PDL's waits inside a graph, and SDPA's backends for prompts."""
 
 import pytest
 import torch
@@ -127,6 +127,20 @@ def test_one_row_linear_matches_torch(dtype):
         torch.testing.assert_close(RowLinear(linear)(x), linear(x), **tolerance)
         for rows in (3, 16, 40):  # a few rows through few_rows (half precision, with PDL), more through torch
             torch.testing.assert_close(RowLinear(linear)(x.repeat(rows, 1)), linear(x.repeat(rows, 1)), **tolerance)
+
+
+def test_the_one_row_kernel_takes_its_devices_config_for_the_widths_measured(monkeypatch):
+    """gemv.ROW_CONFIGS by a part of the device's name, up to the K it was measured for; other
+    devices and wider products take the kernel's own config (None). Runs on the CPU."""
+    from worker.engines.native import gemv
+
+    h200, h100 = torch.device("cuda", 0), torch.device("cuda", 1)
+    names = {h200: "NVIDIA H200", h100: "NVIDIA H100 80GB HBM3"}
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: names[device])
+    monkeypatch.setattr(gemv, "_ROW_CONFIG", {})
+    widest, config = gemv.ROW_CONFIGS["H200"]
+    assert gemv.row_config(h200, 576) == gemv.row_config(h200, widest) == config
+    assert gemv.row_config(h200, widest + 1) is None and gemv.row_config(h100, 576) is None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels run on CUDA")
