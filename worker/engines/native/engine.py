@@ -268,7 +268,7 @@ class NativeEngine(ThreadedEngine):
             if all(self.decode_rows(seq, c) for seq, c in scheduled):
                 return self.graphs.rows(scheduled, self.blocks.block_size)
         # Past the graphs prompt chunks are prefills (as rows, 8,192 tokens' tables took an H200 host 15 ms).
-        rows_of = self.decode_rows if self.graphs is None else DecodeRows()  # CPU: the one-call decoder's
+        rows_of = self.decode_rows if self.graphs is None else DecodeRows()  # on CPU: the one-call decoder's rows
         batch = batch_of(scheduled, self.blocks.block_size, self.device, rows_of)
         try:
             return self.model(batch, self.k_cache, self.v_cache)
