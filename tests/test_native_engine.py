@@ -284,6 +284,43 @@ def test_the_message_rate_holds_for_the_worker_step_by_step(monkeypatch):
     assert len(ended) == streams
 
 
+def test_a_streams_messages_keep_the_shortest_interval_however_few_run(monkeypatch):
+    """server.min_message_interval_s: two streams on 1 ms steps, far under max_messages_per_s,
+    still get a message every 5 ms (the tokens between riding in it), their first and last at
+    once; with the interval 0, a message a step. Nothing is lost either way."""
+    from tests.test_text import ByteTokenizer
+    from worker.engines.detokenizer import OutputText
+    from worker.engines.native import messages as module
+    from worker.engines.native.sequence import Outbox
+
+    clock = [100.0]
+    monkeypatch.setattr(module.time, "monotonic", lambda: clock[0])
+    length, step_s = 40, 0.001
+
+    def run(interval):
+        seqs = [SimpleNamespace(aborted=False, done=False, logprob=None, prompt_logprobs=None, outbox=Outbox(),
+                                stream=i, count=0, request=SimpleNamespace(sampling=SamplingParams(max_tokens=length)),
+                                text=OutputText(ByteTokenizer(), [], (), frozenset())) for i in range(2)]
+        for seq in seqs:
+            seq.at_limit = lambda seq=seq: seq.count >= length
+        messages, received = module.Messages(10_000, interval), {0: [], 1: []}
+        for step in range(length):
+            for seq in seqs:
+                seq.count += 1
+                seq.done = seq.count == length
+            for stream, output in messages.of([(seq, [ord("a") + step % 26]) for seq in seqs], len(seqs))[0]:
+                received[stream].append(output.token_ids)
+            clock[0] += step_s
+        return received
+
+    for interval, expected in ((0.005, 1 + -(-(length - 2) // 5) + 1), (0.0, length)):
+        for sizes in run(interval).values():
+            assert sum(map(len, sizes)) == length, "every token, once"
+            assert sizes[0] == [ord("a")] and len(sizes) in (expected, expected - 1), (interval, [len(s) for s in sizes])
+            if interval:
+                assert max(map(len, sizes)) <= 6, "a message at least every 5 ms: 5 steps' tokens, the last's one more"
+
+
 async def test_a_request_admitted_into_an_ended_row_runs_in_the_next_step(embedded_model):
     """With every slot taken, a request that ends gives its slot to the next one in the queue, and
     the engine's next step runs that one: the engine waits (briefly) for the event loop to admit it

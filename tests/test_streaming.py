@@ -224,3 +224,16 @@ async def test_lockstep_mode_gives_every_stream_one_token_per_step():
         assert all(sum(len(r.token_ids) for r in responses) == 5 for responses in results)
         assert all(len(r.token_ids) <= 1 for responses in results for r in responses)
         assert 0.09 < elapsed < 1.0  # five 20 ms steps
+
+
+async def test_a_streams_messages_are_spaced_by_the_shortest_interval():
+    """server.min_message_interval_s spaces one stream's messages even when it runs alone (here the
+    synthetic engine's 200 tokens in ~0.1 s would otherwise be a message each, or nearly): every
+    token still arrives once, the first and last messages included."""
+    counts = {}
+    for interval in ("0.02", "0"):
+        async with running_worker(**{"server.min_message_interval_s": interval}) as (_, client):
+            responses = await client.collect(synthetic_request(max_tokens=200, return_token_ids=True))
+        assert sum(len(r.token_ids) for r in responses) == 200 == responses[-1].usage.completion_tokens
+        counts[interval] = len(responses)
+    assert counts["0.02"] <= 10 < counts["0"], counts

@@ -31,6 +31,12 @@ class ServerConfig:
     running streams / this, and tokens produced meanwhile ride in the next message (the native
     engine spaces them where it makes them; a first token and a last one go at once). Leaves the
     event loop room to accept new calls under load. 0 sends as fast as the transport takes them."""
+    min_message_interval_s: float = 0.005
+    """The shortest time between two messages of one stream, however few run: a small model's ~1 ms
+    GPU steps would otherwise be a message each, whose work on the event loop holds the interpreter
+    lock the engine thread needs. The native engine sends a first and a last token at once; with
+    the other engines (spaced by the servicer) a last token may wait out the interval. 0: only
+    max_messages_per_s spaces them."""
     progress_timeout_s: float = 20.0
     """While requests run and the engine completed no step (a prefill chunk or a decode) and sent
     no output for this long, the inference service reports NOT_SERVING (liveness stays up) until
@@ -83,6 +89,7 @@ class ServerConfig:
         _check_range("server.progress_timeout_s", self.progress_timeout_s, 0, 86_400)
         _check_range("server.stall_timeout_s", self.stall_timeout_s, 0, 86_400)
         _check_range("server.max_messages_per_s", self.max_messages_per_s, 0, 1e9)
+        _check_range("server.min_message_interval_s", self.min_message_interval_s, 0, 10)
         _check_range("server.max_receive_message_bytes", self.max_receive_message_bytes, 1024, 1 << 30)
         _check_range("server.keepalive_min_ping_interval_s", self.keepalive_min_ping_interval_s, 0.0, 86_400.0)
         _check_range("server.keepalive_max_ping_strikes", self.keepalive_max_ping_strikes, 0, 1_000_000)

@@ -54,6 +54,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self.metrics = metrics
         self.defaults = config.sampling
         self.max_messages_per_s = config.server.max_messages_per_s
+        self.min_message_interval_s = config.server.min_message_interval_s
         self.stall_timeout_s = config.server.stall_timeout_s
         self.max_consecutive_engine_errors = config.server.max_consecutive_engine_errors
         self.consecutive_engine_errors = 0
@@ -150,8 +151,9 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 elif not output.text and not response.token_ids and not response.prompt_logprobs:
                     continue
                 await self._send(context, response)
-                if self.max_messages_per_s and not finished and not self.engine.paces_messages:
-                    spacing = len(self._streams) / self.max_messages_per_s
+                if not finished and not self.engine.paces_messages:
+                    spacing = max(self.min_message_interval_s,
+                                  len(self._streams) / self.max_messages_per_s if self.max_messages_per_s else 0.0)
                     if spacing > 0.0005:  # below this a timer costs more than the message it saves
                         await asyncio.sleep(spacing)
         except WorkerError as exc:

@@ -75,7 +75,7 @@ class NativeEngine(ThreadedEngine):
         self.batcher: Batcher | None = None  # made at load, with the blocks
         self._pending: list[tuple[Sequence, int]] = []  # (sequence, token) sampled and not yet emitted
         self.decode_rows = DecodeRows()  # prompt chunks that run as decode rows, set at load
-        self.messages = Messages(config.server.max_messages_per_s)
+        self.messages = Messages(config.server.max_messages_per_s, config.server.min_message_interval_s)
 
     def _load(self) -> None:
         engine = self.config.engine
