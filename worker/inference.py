@@ -14,7 +14,7 @@ import grpc
 
 from worker.adapters.base import Adapter, build_adapters
 from worker.config import Config
-from worker.engines.base import BaseEngine, RequestStream
+from worker.engines.base import BaseEngine, RequestStream, message_spacing
 from worker.errors import (
     AdapterNotFound,
     ClientStalled,
@@ -152,8 +152,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                     continue
                 await self._send(context, response)
                 if not finished and not self.engine.paces_messages:
-                    spacing = max(self.min_message_interval_s,
-                                  len(self._streams) / self.max_messages_per_s if self.max_messages_per_s else 0.0)
+                    spacing = message_spacing(len(self._streams), self.max_messages_per_s, self.min_message_interval_s)
                     if spacing > 0.0005:  # below this a timer costs more than the message it saves
                         await asyncio.sleep(spacing)
         except WorkerError as exc:

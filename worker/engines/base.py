@@ -100,6 +100,13 @@ class RequestStream:
         return await self.get()
 
 
+def message_spacing(streams: int, max_messages_per_s: float, min_interval_s: float) -> float:
+    """Seconds between two messages of one stream: running streams / server.max_messages_per_s (0:
+    no rate), and at least server.min_message_interval_s. The native engine spaces its streams so
+    at the source (messages.py), the servicer the other engines'."""
+    return max(min_interval_s, streams / max_messages_per_s if max_messages_per_s else 0.0)
+
+
 class BaseEngine(ABC):
     """Loads a model, turns requests into token streams, aborts them, and says what it can hold."""
 

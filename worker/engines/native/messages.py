@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from worker.engines.base import RequestStream
+from worker.engines.base import RequestStream, message_spacing
 from worker.engines.native.sequence import Outbox, Sequence
 from worker.request import RequestOutput
 
@@ -45,7 +45,7 @@ class Messages:
         sent, ended = [], []
         now = time.monotonic()
         rate = self.max_messages_per_s
-        spacing = max(self.min_interval_s, running / rate if rate else 0.0)
+        spacing = message_spacing(running, rate, self.min_interval_s)
         paced = spacing > MIN_SPACING_S
         if not paced:
             allowance = 0.0
