@@ -29,7 +29,8 @@ def tiny_llama(tiny_model):
 async def test_steps_launched_ahead_end_each_stream_at_its_token(tiny_llama, monkeypatch):
     """On CUDA a decode step is launched before the previous one's tokens reach the host. An end
     found a step late (length, stop id, abort) must still end the stream at the right token, and
-    every block must come back."""
+    every block must come back. A request that ends by length gives its slot back (on_finish)
+    once the step making its last token is launched, before that token reaches its stream."""
     launched = []
     launch_ahead = NativeEngine._launch_ahead
     monkeypatch.setattr(NativeEngine, "_launch_ahead", lambda self, step: launched.append(launch_ahead(self, step)) or launched[-1])
@@ -40,10 +41,14 @@ async def test_steps_launched_ahead_end_each_stream_at_its_token(tiny_llama, mon
     await engine.load_model()
     prompt = list(range(2, 42))
 
+    finished_at_release = []  # each stream's `finished` when its on_finish ran
+
     async def run(index: int, **sampling) -> list[int]:
         request = GenerationRequest(request_id=f"r{index}-{len(launched)}", prompt_token_ids=prompt[index:],
                                     sampling=SamplingParams(ignore_eos=True, **sampling))
-        return [t async for out in engine.stream_predict(request) for t in out.token_ids]
+        stream = engine.stream_predict(request)
+        stream.on_finish = lambda: finished_at_release.append(stream.finished)
+        return [t async for out in stream for t in out.token_ids]
 
     try:
         alone = await run(0, max_tokens=40)
@@ -53,6 +58,8 @@ async def test_steps_launched_ahead_end_each_stream_at_its_token(tiny_llama, mon
         assert await run(0, max_tokens=40, stop_token_ids=[stop]) == alone[:alone.index(stop) + 1]
         outputs = await asyncio.gather(*(run(i, max_tokens=n) for i, n in enumerate((1, 2, 17, 33))))
         assert [len(tokens) for tokens in outputs] == [1, 2, 17, 33]
+        # By length: before the last token came; the stop id's end is known once its token is read.
+        assert finished_at_release == [False, True, False, False, False, False]
         # Rows of ended sequences left out of the steps after theirs: the others' tokens stay theirs.
         for index, tokens in enumerate(outputs):
             assert tokens == (await run(index, max_tokens=33))[:len(tokens)], index

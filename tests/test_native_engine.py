@@ -275,6 +275,30 @@ async def test_a_request_admitted_into_an_ended_row_runs_in_the_next_step(embedd
         assert "next" in steps[last + 1], steps[last:last + 3]
 
 
+async def test_a_slot_goes_back_once_the_step_making_the_last_token_is_launched(embedded_model):
+    """RequestStream.ending: on_finish (where the servicer gives the slot back) runs once the step
+    that makes a request's last token by length is launched, before that token reaches the stream,
+    so the request admitted into the slot can join the next step; the tokens are unchanged and
+    every block comes back. Lengths 1 (the prompt's own step) and 3."""
+    engine = engine_for(embedded_model)
+    await engine.load_model()
+    try:
+        free = engine.blocks.num_free
+        for max_tokens in (1, 3):
+            stream = engine.stream_predict(GenerationRequest(
+                request_id=f"r{max_tokens}", prompt_token_ids=list(range(100, 120)),
+                sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
+            calls = []
+            stream.on_finish = lambda stream=stream: calls.append(stream.finished)
+            tokens = [t async for out in stream for t in out.token_ids]
+            assert len(tokens) == max_tokens
+            assert calls == [False], "called once, before the last output was put"
+        await asyncio.sleep(0.05)  # the engine thread gives the blocks back as it reads the step
+        assert engine.blocks.num_free == free
+    finally:
+        await engine.unload_model()
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_quantized_weights_land_on_the_gguf_grid(bits):
     """Weights on GGUF's grid (Q4_1: per 32 inputs d * q + m, q 0..15 with both ends used, as its

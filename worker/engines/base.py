@@ -55,7 +55,8 @@ class RequestStream:
         self.request_id = request_id
         self.finished = False
         self.on_finish: Callable[[], None] | None = None
-        """Called once the engine has put the request's last output: it holds nothing of it now."""
+        """Called once, when the engine will compute nothing more for the request (ending()), or
+        else when it has put the request's last output."""
         self._pending: RequestOutput | None = None
         self._error: BaseException | None = None
         self._ready = asyncio.Event()
@@ -72,6 +73,16 @@ class RequestStream:
             self.finished = True
             if self.on_finish is not None:
                 self.on_finish()
+
+    def ending(self) -> None:
+        """The step that makes the request's last token is under way, and the engine runs nothing
+        more of it: on_finish runs now, so the slot is taken by the next request while that step
+        runs (else the row stays empty for the steps until the last output reaches the event
+        loop and the admitted request reaches the engine). Its blocks go back once the step is read."""
+        if self.finished or self._error is not None or self.on_finish is None:
+            return
+        callback, self.on_finish = self.on_finish, None
+        callback()
 
     def fail(self, error: BaseException) -> None:
         """Ends the stream with an error; what was not yet read is dropped."""

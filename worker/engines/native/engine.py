@@ -74,6 +74,9 @@ class NativeEngine(ThreadedEngine):
         self.events = CacheEvents(int(self.args["block_size"]))
         self.batcher: Batcher | None = None  # made at load, with the blocks
         self._pending: list[tuple[Sequence, int]] = []  # (sequence, token) sampled and not yet emitted
+        # Streams whose last token (by length) a launched step makes: _emit posts RequestStream.ending,
+        # so their slots take new requests while that step runs.
+        self._ends: list[RequestStream] = []
         self.decode_rows = DecodeRows()  # prompt chunks that run as decode rows, set at load
         self.messages = Messages(config.server.max_messages_per_s, config.server.min_message_interval_s)
 
@@ -90,14 +93,7 @@ class NativeEngine(ThreadedEngine):
         # (csrc/cpu_linear.cpp) and decode reads half fp32's KV bytes (AVX2: 187 tok/s against 168).
         dtype = DTYPES.get(engine.dtype) or (
             torch.bfloat16 if self.device.type == "cuda" or self.quantization == "int4" else torch.float32)
-        kernels = None
-        if self.device.type == "cpu":
-            try:
-                kernels = cpu_kernels.load(engine.kernel_dir, cpu_kernels.resolve(engine.cpu_isa))
-            except ValueError as exc:
-                raise ConfigError("engine.cpu_isa", str(exc)) from exc
-            if kernels.startswith("not built"):
-                log.warning("CPU kernels not built; the torch paths run instead", reason=kernels, kernel_dir=engine.kernel_dir)
+        kernels = cpu_kernels.load_configured(engine.kernel_dir, engine.cpu_isa) if self.device.type == "cpu" else None
         cores = len(os.sched_getaffinity(0))
         torch.set_num_threads(cores)  # packing the weights for oneDNN (CPU) takes most of the load
         try:
@@ -303,6 +299,7 @@ class NativeEngine(ThreadedEngine):
         if not at:
             return step
         step.ready = [scheduled[i][0] for i in at]
+        self._ends += [seq.stream for seq in step.ready if seq.ends_with_next(0)]
         if len(at) < ends[-1]:  # else every row: no index tensor to build and copy over
             logits = logits[[ends[i] - 1 for i in at]]
         step.logits = logits
@@ -327,6 +324,8 @@ class NativeEngine(ThreadedEngine):
             return None
         pending = step.tokens if live is seqs else self.graphs.pick(step.tokens, kept)
         joined, block_size = scheduled[len(live):], self.blocks.block_size
+        self._ends += [seq.stream for seq in live if seq.ends_with_next(1)]
+        self._ends += [seq.stream for seq, _ in joined if seq.ends_with_next(0)]
         if joined:
             ahead = Step(scheduled, ready=live + [seq for seq, _ in joined],
                          logits=self.graphs.rows(joined, block_size, ahead=live, pending=pending if live else None))
@@ -393,7 +392,8 @@ class NativeEngine(ThreadedEngine):
         for seq in ended:
             if not seq.done:
                 self.batcher.drop(seq)
-        outputs = [(stream.put, output) for stream, output in sent]
+        outputs, self._ends = [(RequestStream.ending, stream) for stream in self._ends], []
+        outputs += [(stream.put, output) for stream, output in sent]
         if changes := self.blocks.take_changes():  # the cache's changes since the last step, in its wake-up
             outputs.append((self.events.publish, changes))
         self._post_all(outputs)

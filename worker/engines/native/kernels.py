@@ -35,8 +35,11 @@ from typing import Any
 
 import torch
 
+from worker.config import ConfigError
 from worker.deps.hardware import runnable_isas, this_cpu
+from worker.telemetry import get_logger
 
+log = get_logger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / f"cpu_{name}.cpp" for name in ("attention", "norm", "rope", "activation", "linear", "quant", "decoder")]
 HEADERS = [CSRC / "ops.h", CSRC / "vec.h"]
@@ -102,6 +105,17 @@ def load(kernel_dir: str, isa: str) -> str:
         _libraries[isa] = getattr(torch.ops, f"cyllm_{isa}")
     _active = isa
     return "built"
+
+
+def load_configured(kernel_dir: str, cpu_isa: str) -> str:
+    """load() for engine.kernel_dir and engine.cpu_isa (auto, or an ISA this CPU runs)."""
+    try:
+        outcome = load(kernel_dir, resolve(cpu_isa))
+    except ValueError as exc:
+        raise ConfigError("engine.cpu_isa", str(exc)) from exc
+    if outcome.startswith("not built"):
+        log.warning("CPU kernels not built; the torch paths run instead", reason=outcome, kernel_dir=kernel_dir)
+    return outcome
 
 
 def loaded() -> bool:
