@@ -159,6 +159,27 @@ def test_load_tokenizer_reads_a_generic_tokenizer_as_auto_tokenizer_does(embedde
 
 
 @pytest.mark.model
+def test_prompts_are_encoded_by_the_backend_only_where_it_gives_the_tokenizers_ids(embedded_model):
+    """encode_text(): the Rust backend's encode where it agrees with the tokenizer's __call__ on the
+    probes, with and without special tokens; __call__ itself for one that adds something of its own."""
+    from worker.engines.prompt import backend_agrees, encode_text, load_tokenizer
+
+    tokenizer = load_tokenizer(embedded_model)
+    assert backend_agrees(tokenizer)
+    for text in ("<|im_start|>user\nhi<|im_end|>", " héllo wörld, 1234 🙂\n\tdone", "  two", ""):
+        for special in (True, False):
+            assert encode_text(tokenizer, text, special) == tokenizer(text, add_special_tokens=special)["input_ids"]
+
+    def prefixed(text, add_special_tokens):  # a tokenizer whose Python adds a token the backend does not
+        return {"input_ids": [0] * add_special_tokens + tokenizer(text, add_special_tokens=False)["input_ids"]}
+
+    odd = type("Odd", (), {"__call__": lambda self, text, add_special_tokens: prefixed(text, add_special_tokens),
+                           "backend_tokenizer": tokenizer.backend_tokenizer, "all_special_tokens": []})()
+    assert not backend_agrees(odd)
+    assert encode_text(odd, "hi", True) == [0] + tokenizer("hi", add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.model
 def test_the_native_engine_loads_without_importing_torch_dynamo(embedded_model):
     # AutoTokenizer (through transformers 5's config imports) and random init on the meta device
     # both import torch._dynamo: 1.5 s of a start that takes about 1.3 s without it.

@@ -4,6 +4,7 @@ model's template."""
 from __future__ import annotations
 
 import json
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,10 @@ from worker.errors import InvalidRequest
 from worker.request import GenerationRequest
 
 GENERIC_TOKENIZERS = {"TokenizersBackend", "PreTrainedTokenizerFast"}
+# Texts on which a tokenizer's Rust backend must give what its Python __call__ gives before it is
+# called alone: spaces, accents, CJK, an emoji, control characters, digits.
+PROBES = ("Hello world", " leading space", "naïve café, 日本語 🙂", "a\nb\tc  d\r\n", "x=1234.5;")
+_agrees: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> backend_agrees
 
 
 def load_tokenizer(folder: Path) -> Any:
@@ -41,8 +46,35 @@ def encode_prompt(tokenizer: Any, request: GenerationRequest) -> list[int]:
         else:
             messages = _tools_in_messages(messages, request.tools)
         rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
-        return tokenizer(rendered, add_special_tokens=False)["input_ids"]
-    return tokenizer(request.prompt)["input_ids"]
+        return encode_text(tokenizer, rendered, False)
+    return encode_text(tokenizer, request.prompt, True)
+
+
+def encode_text(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
+    """The tokenizer's ids for `text`: through its Rust backend where that gives what __call__ gives
+    (backend_agrees), skipping __call__'s Python around it (30 against 12 us an 8-word prompt:
+    tokenizing was a tenth of the event loop's work a request under load)."""
+    if backend_agrees(tokenizer):
+        return tokenizer.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+    return tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+
+
+def backend_agrees(tokenizer: Any) -> bool:
+    """Whether a fast tokenizer's backend gives __call__'s ids on PROBES and the special tokens' text,
+    with and without special tokens (a tokenizer whose Python adds something of its own does not);
+    found once a tokenizer."""
+    try:
+        return _agrees[tokenizer]
+    except KeyError:
+        pass
+    except TypeError:  # not weakly referable: no cache, so __call__ every time
+        return False
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    probes = [*PROBES, "".join(str(t) for t in getattr(tokenizer, "all_special_tokens", ())) + " after"]
+    _agrees[tokenizer] = backend is not None and all(
+        backend.encode(text, add_special_tokens=special).ids == tokenizer(text, add_special_tokens=special)["input_ids"]
+        for text in probes for special in (True, False))
+    return _agrees[tokenizer]
 
 
 def renders_tools(tokenizer: Any) -> bool:
