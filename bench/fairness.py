@@ -12,8 +12,9 @@ tenants:
   after a warm-up as VTC counts it (prompt tokens weighted 1, generated tokens 2: a light request
   pays its prompt for 16 tokens, a flood request for 64) and of the tokens generated alone, the
   total tokens/s, and requests finished per 1,000 tokens: a
-  request costs its prompt and a step with its slot empty between one request and the next,
-  which the fair mix, of 2-4x FCFS's requests per token, pays more often.
+  request costs its prompt and its work on the worker's event loop (and, where an engine cannot
+  refill an ended row in the next step, a step with that slot empty), which the fair mix, of 2-4x
+  FCFS's requests per token, pays more often.
 - latency: each light tenant sends Poisson arrivals well below its share (8 tokens each; synthetic
   1/s, native 0.5/s) while the flood stays backlogged; the same arrivals also run with the pool to
   the light tenants alone. Reported: the light tenants' TTFT p50/p99 (all light tenants' requests
