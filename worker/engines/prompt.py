@@ -71,10 +71,10 @@ def backend_agrees(tokenizer: Any) -> bool:
         return False
     backend = getattr(tokenizer, "backend_tokenizer", None)
     probes = [*PROBES, "".join(str(t) for t in getattr(tokenizer, "all_special_tokens", ())) + " after"]
-    _agrees[tokenizer] = backend is not None and all(
+    agrees = _agrees[tokenizer] = backend is not None and all(
         backend.encode(text, add_special_tokens=special).ids == tokenizer(text, add_special_tokens=special)["input_ids"]
         for text in probes for special in (True, False))
-    return _agrees[tokenizer]
+    return agrees
 
 
 def renders_tools(tokenizer: Any) -> bool:

@@ -74,9 +74,7 @@ class NativeEngine(ThreadedEngine):
         self.events = CacheEvents(int(self.args["block_size"]))
         self.batcher: Batcher | None = None  # made at load, with the blocks
         self._pending: list[tuple[Sequence, int]] = []  # (sequence, token) sampled and not yet emitted
-        # Streams whose last token (by length) a launched step makes: _emit posts RequestStream.ending,
-        # so their slots take new requests while that step runs.
-        self._ends: list[RequestStream] = []
+        self._ends: list[RequestStream] = []  # whose last token a launched step makes: _emit posts .ending
         self.decode_rows = DecodeRows()  # prompt chunks that run as decode rows, set at load
         self.messages = Messages(config.server.max_messages_per_s, config.server.min_message_interval_s)
 
@@ -299,7 +297,7 @@ class NativeEngine(ThreadedEngine):
         if not at:
             return step
         step.ready = [scheduled[i][0] for i in at]
-        self._ends += [seq.stream for seq in step.ready if seq.ends_with_next(0)]
+        self._ends += [seq.stream for seq in step.ready if seq.ends_with_next()]
         if len(at) < ends[-1]:  # else every row: no index tensor to build and copy over
             logits = logits[[ends[i] - 1 for i in at]]
         step.logits = logits
@@ -317,15 +315,17 @@ class NativeEngine(ThreadedEngine):
                 or len(seqs) > self.graphs.max_batch
                 or any(seq.proposer and seq.proposer.active for seq in seqs) and self.speculator.schedules_next()):
             return None
-        kept = [i for i, seq in enumerate(seqs) if not seq.done and len(seq.tokens) + 1 < seq.end]
+        left = [-1 if seq.done else seq.end - len(seq.tokens) for seq in seqs]  # tokens to come, pending one's too
+        kept = [i for i, count in enumerate(left) if count > 1]
         live = seqs if len(kept) == len(seqs) else [seqs[i] for i in kept]
         scheduled = self.batcher.ahead(live, self.graphs.max_batch, self.decode_rows)
         if not scheduled:
             return None
         pending = step.tokens if live is seqs else self.graphs.pick(step.tokens, kept)
         joined, block_size = scheduled[len(live):], self.blocks.block_size
-        self._ends += [seq.stream for seq in live if seq.ends_with_next(1)]
-        self._ends += [seq.stream for seq, _ in joined if seq.ends_with_next(0)]
+        if 2 in left:  # this step makes their last token (a pass over 256 rows costs ~10 us: only then)
+            self._ends += [seqs[i].stream for i, count in enumerate(left) if count == 2]
+        self._ends += [seq.stream for seq, _ in joined if seq.ends_with_next()]
         if joined:
             ahead = Step(scheduled, ready=live + [seq for seq, _ in joined],
                          logits=self.graphs.rows(joined, block_size, ahead=live, pending=pending if live else None))

@@ -87,10 +87,10 @@ class Sequence:
         """Its tokens reached max_tokens or the model's context."""
         return len(self.tokens) >= self.end
 
-    def ends_with_next(self, pending: int) -> bool:
-        """Whether the token a step just launched samples for it is its last by length (`pending`:
-        the tokens it has on the device still, sampled by a step not read yet)."""
-        return len(self.tokens) + pending + 1 >= self.end
+    def ends_with_next(self) -> bool:
+        """Whether the token a step just launched samples for it (none of its tokens still on the
+        device) is its last by length."""
+        return len(self.tokens) + 1 >= self.end
 
     def score_prompt(self, logits: torch.Tensor, count: int) -> None:
         """Prompt logprobs from the rows of a prefill chunk of `count` tokens after the cached ones:
