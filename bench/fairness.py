@@ -57,7 +57,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.structured import machine  # noqa: E402
+from bench.structured import drawn_at_random, machine  # noqa: E402
 from bench.transport import cy_llm, wait_ready  # noqa: E402
 from worker.config import TenantsConfig  # noqa: E402
 from worker.loadgen import percentile  # noqa: E402
@@ -341,7 +341,8 @@ def main() -> int:
     runs = [{**{k: v for k, v in row.items() if k != "ttft_samples_ms"}, "ttft_ms": ttft([row])["per_tenant"]}
             for row in rows]
     result = {"benchmark": "fairness", "machine": machine(options.device), "when": time.strftime("%Y-%m-%d %H:%M"),
-              "options": vars(options), "workload": dataclasses.asdict(workload), "rows": runs, "summary": summary(rows, options.policies)}
+              "options": vars(options), "random_weights": bool(options.model) and drawn_at_random(Path(options.model)),
+              "workload": dataclasses.asdict(workload), "rows": runs, "summary": summary(rows, options.policies)}
     print(json.dumps(result["summary"], indent=1))
     RESULTS.mkdir(parents=True, exist_ok=True)
     name = "fairness" if options.engine == "synthetic" else f"fairness-{options.engine}"

@@ -42,7 +42,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from structured import machine, model_folder, random_weights  # noqa: E402
+from structured import drawn_at_random, machine, model_folder, random_weights  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
 KNOWLEDGE = {
@@ -107,9 +107,10 @@ def main() -> int:
         if options.random_weights:
             folder = random_weights(folder, Path(work), options.device)
         rows, settings = asyncio.run(measure(folder, options, batches))
+        random = drawn_at_random(folder)
     result = {"benchmark": "speculation", "device": options.device, "machine": machine(options.device),
               "when": time.strftime("%Y-%m-%d %H:%M"), "model": options.model, "dtype": options.dtype,
-              "random_weights": options.random_weights,
+              "random_weights": random,
               "max_tokens": options.max_tokens, "greedy": True, "settings": settings, "rows": rows,
               "targets": {"repeating_batch_1": 1.8, "non_repeating": 0.97}}
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -71,9 +71,10 @@ def main() -> int:
             folder = random_weights(folder, Path(work), options.device)
         compile_ms = compile_times(folder)
         rows, check, dtype = asyncio.run(measure(folder, options, batches))
+        random = drawn_at_random(folder)
     result = {"benchmark": "structured", "device": options.device, "machine": machine(options.device),
               "when": time.strftime("%Y-%m-%d %H:%M"), "model": options.model, "dtype": dtype,
-              "random_weights": options.random_weights, "max_tokens": options.max_tokens, "schema": SCHEMA,
+              "random_weights": random, "max_tokens": options.max_tokens, "schema": SCHEMA,
               "compile_ms": compile_ms, "check": check, "rows": rows,
               "targets": {"ratio": 0.9 if options.device == "cpu" else 0.95}}
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -170,6 +171,11 @@ def model_folder(model: str) -> Path:
         model, os.environ.get("CYLLM_CACHE_DIR", str(Path.home() / ".cache" / "cy-llm" / "models")))
 
 
+RANDOM_MARK = "random-weights.json"
+"""Written into a folder random_weights() makes, so a bench given that folder as --model still says
+its weights were random."""
+
+
 def random_weights(folder: Path, work: Path, device: str) -> Path:
     """A copy of the model folder (config, tokenizer, template) with freshly drawn weights."""
     import torch
@@ -181,7 +187,13 @@ def random_weights(folder: Path, work: Path, device: str) -> Path:
     with torch.device("cuda" if device.startswith("cuda") else "cpu"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
     model.save_pretrained(out)
+    (out / RANDOM_MARK).write_text(json.dumps({"from": str(folder), "seed": 0}))
     return out
+
+
+def drawn_at_random(folder: Path) -> bool:
+    """Whether the folder's weights came from random_weights() (in this run or an earlier one)."""
+    return (folder / RANDOM_MARK).exists()
 
 
 def compile_times(folder: Path) -> dict:
