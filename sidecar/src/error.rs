@@ -37,6 +37,11 @@ pub enum SidecarError {
 }
 
 impl SidecarError {
+    /// INVALID_ARGUMENT (HTTP 400) with what is wrong with the request.
+    pub fn invalid(message: impl Into<String>) -> Self {
+        Self::InvalidRequest(message.into())
+    }
+
     pub fn code(&self) -> Code {
         match self {
             Self::InvalidRequest(_) => Code::InvalidArgument,

@@ -21,6 +21,7 @@ mod reply;
 mod request_id;
 mod response;
 mod routing;
+mod sampling;
 mod tools;
 mod trace;
 mod watcher;

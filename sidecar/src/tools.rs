@@ -37,10 +37,6 @@ pub struct Call {
     pub arguments: String,
 }
 
-fn invalid(message: impl Into<String>) -> SidecarError {
-    SidecarError::InvalidRequest(message.into())
-}
-
 pub fn plan(tools: Option<&[Value]>, choice: Option<&Value>, parallel: bool) -> Result<ToolPlan, SidecarError> {
     let tools = tools.unwrap_or_default();
     let mut names = Vec::new();
@@ -48,10 +44,10 @@ pub fn plan(tools: Option<&[Value]>, choice: Option<&Value>, parallel: bool) -> 
         let name = tool.pointer("/function/name").and_then(Value::as_str).filter(|n| !n.is_empty());
         match (tool.get("type").and_then(Value::as_str), name) {
             (Some("function"), Some(name)) => names.push(name.to_owned()),
-            _ => return Err(invalid(format!("tools[{i}]: must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}"))),
+            _ => return Err(SidecarError::invalid(format!("tools[{i}]: must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}"))),
         }
         if tool.pointer("/function/parameters").is_some_and(|p| !p.is_object()) {
-            return Err(invalid(format!("tools[{i}].function.parameters: must be a JSON Schema object")));
+            return Err(SidecarError::invalid(format!("tools[{i}].function.parameters: must be a JSON Schema object")));
         }
     }
     let mode = match choice {
@@ -62,15 +58,15 @@ pub fn plan(tools: Option<&[Value]>, choice: Option<&Value>, parallel: bool) -> 
         Some(Value::String(s)) if s == "required" => Mode::Required,
         Some(named) => match named.pointer("/function/name").and_then(Value::as_str) {
             Some(name) if named.get("type").and_then(Value::as_str) == Some("function") => Mode::Named(name.to_owned()),
-            _ => return Err(invalid("tool_choice: none, auto, required or {\"type\": \"function\", \"function\": {\"name\": ...}}")),
+            _ => return Err(SidecarError::invalid("tool_choice: none, auto, required or {\"type\": \"function\", \"function\": {\"name\": ...}}")),
         },
     };
     if mode != Mode::None && tools.is_empty() {
-        return Err(invalid("tool_choice: no tools given"));
+        return Err(SidecarError::invalid("tool_choice: no tools given"));
     }
     if let Mode::Named(name) = &mode {
         if !names.contains(name) {
-            return Err(invalid(format!("tool_choice: no tool is named {name:?}")));
+            return Err(SidecarError::invalid(format!("tool_choice: no tool is named {name:?}")));
         }
     }
     let parameters = |tool: &Value| tool.pointer("/function/parameters").cloned().unwrap_or(json!({"type": "object"}));
