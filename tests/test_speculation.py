@@ -11,7 +11,7 @@ import torch
 from worker.config import ConfigError
 from worker.config_loader import load_config
 from worker.engines.native.engine import NativeEngine
-from worker.engines.native.speculation import PAUSE_STEPS, Proposer, Settings, Speculator, StepCost, verify
+from worker.engines.native.speculation import EXPLORE_STEPS, PAUSE_STEPS, Proposer, Settings, Speculator, StepCost, verify
 from worker.errors import RequestDeadlineExceeded
 from worker.request import ChatMessage, GenerationRequest, SamplingParams
 
@@ -68,6 +68,29 @@ def test_step_cost_fits_what_a_row_costs_once_the_rows_vary():
         cost.record(rows, 0.020 + 0.0012 * rows)
     base, per_row = cost.fit()
     assert abs(per_row - 0.0012) < 1e-4 and abs(base - 0.020) < 2e-3
+
+
+def test_with_overlap_a_proposing_step_is_scheduled_only_while_scheduling_gives_more_tokens():
+    """On CUDA a step whose sequences may propose gives up its launch ahead: that happens while
+    either rate is unmeasured, while scheduled steps have lately given more tokens a second a
+    sequence than steps launched ahead, and otherwise once every EXPLORE_STEPS steps, so the
+    scheduled rate stays measured."""
+    speculator = Speculator(SETTINGS)
+    assert speculator.schedules_next(), "nothing measured yet"
+    speculator.record_period(chained=True, tokens=8, seqs=8, seconds=0.001)  # 1,000 tokens/s a sequence
+    assert speculator.schedules_next(), "scheduled steps not measured yet"
+    speculator.record_period(chained=False, tokens=16, seqs=8, seconds=0.004)  # 500: launching ahead wins
+    scheduled = [speculator.schedules_next() for _ in range(3 * EXPLORE_STEPS)]
+    assert sum(scheduled) == 3 and all(scheduled[i] for i in range(EXPLORE_STEPS - 1, 3 * EXPLORE_STEPS, EXPLORE_STEPS))
+    for _ in range(10):  # copied text: 4 tokens a verify in 2 ms, 2,000 a second a sequence
+        speculator.record_period(chained=False, tokens=32, seqs=8, seconds=0.002)
+    assert all(speculator.schedules_next() for _ in range(EXPLORE_STEPS))
+    for _ in range(10):  # launching ahead got faster still
+        speculator.record_period(chained=True, tokens=8, seqs=8, seconds=0.0004)
+    assert sum(speculator.schedules_next() for _ in range(EXPLORE_STEPS)) == 1
+    speculator.record_period(chained=True, tokens=0, seqs=0, seconds=0.001)  # an empty step is not a rate
+    speculator.record_period(chained=True, tokens=8, seqs=8, seconds=0.0)
+    assert sum(speculator.schedules_next() for _ in range(EXPLORE_STEPS)) == 1
 
 
 def test_a_proposal_left_out_is_tried_again_later():
