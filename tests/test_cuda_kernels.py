@@ -130,17 +130,21 @@ def test_one_row_linear_matches_torch(dtype):
 
 
 def test_the_one_row_kernel_takes_its_devices_config_for_the_widths_measured(monkeypatch):
-    """gemv.ROW_CONFIGS by a part of the device's name, up to the K it was measured for; other
-    devices and wider products take the kernel's own config (None). Runs on the CPU."""
+    """gemv.ROW_CONFIGS by a part of the device's name, the first entry whose K range takes the
+    product's K; other devices and other widths take the kernel's own config (None). Runs on the
+    CPU."""
     from worker.engines.native import gemv
 
-    h200, h100 = torch.device("cuda", 0), torch.device("cuda", 1)
-    names = {h200: "NVIDIA H200", h100: "NVIDIA H100 80GB HBM3"}
+    h200, h100, a100 = torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cuda", 2)
+    names = {h200: "NVIDIA H200", h100: "NVIDIA H100 80GB HBM3", a100: "NVIDIA A100-SXM4-80GB"}
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: names[device])
     monkeypatch.setattr(gemv, "_ROW_CONFIG", {})
-    widest, config = gemv.ROW_CONFIGS["H200"]
+    ((_, widest, config),) = gemv.ROW_CONFIGS["H200"]
     assert gemv.row_config(h200, 576) == gemv.row_config(h200, widest) == config
-    assert gemv.row_config(h200, widest + 1) is None and gemv.row_config(h100, 576) is None
+    assert gemv.row_config(h200, widest + 1) is None and gemv.row_config(a100, 576) is None
+    ((narrowest, _, config),) = gemv.ROW_CONFIGS["H100"]
+    assert gemv.row_config(h100, narrowest) == gemv.row_config(h100, 14336) == config
+    assert gemv.row_config(h100, narrowest - 1) is None and gemv.row_config(h100, 576) is None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels run on CUDA")

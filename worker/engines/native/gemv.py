@@ -116,27 +116,36 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gate
     return out
 
 
-ROW_CONFIGS = {"H200": (4096, (4, 1024, 4, 4))}
-"""gemv's (rows, tile, warps, stages) by a part of the device's name (as
-vLLM keys its Triton configs): (the widest K it was measured for, config); others take the H100's
-above. On an H200 the Llama-1B shapes' qkv, gate_up and LM head were fastest so (a sweep, each timed
-in a CUDA graph: the step's GEMVs 693 -> 645 us); alternated three times in one process, a batch-1
-step of the 1B shape took 0.848 against 0.899 ms, of the 8B shape (K 4096) 4.244 against 4.305. On
-an H100 the same config took the 1B step from 1.067 to 1.068 ms and the 8B one from 5.46 to 5.51.
-Gated products (a down projection) take it too, so that the gated kernel keeps the two kernels'
-bits; the Llama shapes' (K 8192 and 14336) are past its bound, and one within it (SmolLM2's, K 1536)
-was not timed."""
+ROW_CONFIGS = {
+    "H200": ((0, 4096, (4, 1024, 4, 4)),),
+    "H100": ((4096, 1 << 30, (4, 2048, 8, 3)),),
+}
+"""gemv's (rows, tile, warps, stages) by a part of the device's name (as vLLM keys its Triton
+configs): (narrowest K, widest K, config) entries, the first whose range takes the product's K;
+other devices and K take the kernel's own config (the H100's, before these entries).
+- H200: the Llama-1B shapes' qkv, gate_up and LM head were fastest so (a sweep, each timed in a CUDA
+  graph: the step's GEMVs 693 -> 645 us); alternated three times in one process, a batch-1 step of
+  the 1B shape took 0.848 against 0.899 ms, of the 8B shape (K 4096) 4.244 against 4.305. On an
+  H100 the same config took the 1B step from 1.067 to 1.068 ms and the 8B one from 5.46 to 5.51.
+  The Llama shapes' down projections (K 8192 and 14336) are past its bound.
+- H100: the 8B shape's products (K 4096 and its down projection's 14336). Swept in the forward's
+  CUDA graph at batch 1 (320-token context) against the kernel's own config: 5,528 -> 5,417 us a
+  step (-6.7 us from the K 4096 ones, -86 from the down projection); through the engine, alternated
+  twice in one process, 5.462 / 5.463 -> 5.365 / 5.366 ms. The 1B shape's down projection (K 8192)
+  moved by under 1 us. Narrower products keep the kernel's own: the best for the 1B shape's (K 2048,
+  (2, 1024, 4, 3): 1,073 -> 1,058 us) made SmolLM2's step (K 576 and 1536) 50 us slower.
+Gated products (a down projection) take them too, so that the gated kernel keeps the two kernels'
+bits."""
 
-_ROW_CONFIG: dict[torch.device, tuple[int, tuple[int, int, int, int]] | None] = {}
+_ROW_CONFIG: dict[torch.device, tuple[tuple[int, int, tuple[int, int, int, int]], ...]] = {}
 
 
 def row_config(device: torch.device, k: int) -> tuple[int, int, int, int] | None:
     """ROW_CONFIGS' config for this device and K, or None (the device looked up once)."""
     if device not in _ROW_CONFIG:
         name = torch.cuda.get_device_name(device)
-        _ROW_CONFIG[device] = next((entry for key, entry in ROW_CONFIGS.items() if key in name), None)
-    entry = _ROW_CONFIG[device]
-    return entry[1] if entry is not None and k <= entry[0] else None
+        _ROW_CONFIG[device] = next((entries for key, entries in ROW_CONFIGS.items() if key in name), ())
+    return next((config for narrowest, widest, config in _ROW_CONFIG[device] if narrowest <= k <= widest), None)
 
 
 def few_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, bn: int, bk: int, warps: int,
