@@ -7,9 +7,10 @@ batch 1 and 8, on three workloads:
 - chat: open-ended chat with nothing to quote.
 
 The engine runs in this process with `speculation: requested`, and each request says on or off
-(PredictRequest.speculative). 16 prompts a workload, greedy, 128 new tokens at most (streams end at
-EOS, the same in both modes: the bench checks the tokens are identical), sent by `batch` clients that
-each send their next request when the last one ends. Batch 1 is judged by its decode rate (tokens
+(PredictRequest.speculative). 16 prompts a workload (sent `--passes` times a run: on a GPU a
+batch-8 run of 16 takes ~0.2 s, where a hiccup moves the ratio by 10-30%), greedy, 128 new tokens
+at most (streams end at EOS, the same in both modes: the bench checks the tokens are identical),
+sent by `batch` clients that each send their next request when the last one ends. Batch 1 is judged by its decode rate (tokens
 after each stream's first over the time after it: prefill left out); batch 8 by completion tokens
 over the wall time, what a server at that concurrency serves (a static batch of 8 waits for its
 longest stream, which speculation shortens only when that stream repeats itself). Acceptance:
@@ -20,7 +21,7 @@ output and followed there by the same token; n-gram proposals can have no more a
 Writes bench/results/speculation_<device>[_<dtype> unless float32].json and .png.
 
     python bench/speculation.py [--device cpu|cuda] [--batches 1,8] [--repeats 3] [--max-tokens 128]
-                                [--model NAME|FOLDER] [--dtype float32|bfloat16] [--args JSON]
+                                [--passes 1] [--model NAME|FOLDER] [--dtype float32|bfloat16] [--args JSON]
                                 [--workloads rag,rewrite,chat] [--random-weights]
 
 --random-weights: the text is noise and what repeats is whatever the random model loops on, so it
@@ -94,6 +95,8 @@ def main() -> int:
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--passes", type=int, default=1,
+                        help="times each run sends the workload's prompts (a GPU's run of 16 takes ~0.2 s)")
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--args", default="{}", help="engine.args (JSON) beside speculation: requested")
@@ -111,7 +114,7 @@ def main() -> int:
     result = {"benchmark": "speculation", "device": options.device, "machine": machine(options.device),
               "when": time.strftime("%Y-%m-%d %H:%M"), "model": options.model, "dtype": options.dtype,
               "random_weights": random,
-              "max_tokens": options.max_tokens, "greedy": True, "settings": settings, "rows": rows,
+              "max_tokens": options.max_tokens, "passes": options.passes, "greedy": True, "settings": settings, "rows": rows,
               "targets": {"repeating_batch_1": 1.8, "non_repeating": 0.97}}
     RESULTS.mkdir(parents=True, exist_ok=True)
     stem = RESULTS / (f"speculation_{options.device}" + ("" if options.dtype == "float32" else f"_{options.dtype}"))
@@ -169,7 +172,7 @@ async def measure(folder: Path, options, batches: list[int]) -> tuple[list[dict]
         """Every prompt of the workload, `batch` at a time: each client sends its next request as
         soon as its last one ends (as a server at that concurrency sees them)."""
         waiting = []
-        for index, messages in enumerate(prompts(workload)):
+        for index, messages in enumerate(prompts(workload) * options.passes):
             req = GenerationRequest(request_id=f"{workload}-{index}", messages=messages, speculative=on,
                                     sampling=SamplingParams(max_tokens=options.max_tokens))
             req.prompt_token_ids = engine.encode(req)

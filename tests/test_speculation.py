@@ -73,24 +73,34 @@ def test_step_cost_fits_what_a_row_costs_once_the_rows_vary():
 def test_with_overlap_a_proposing_step_is_scheduled_only_while_scheduling_gives_more_tokens():
     """On CUDA a step whose sequences may propose gives up its launch ahead: that happens while
     either rate is unmeasured, while scheduled steps have lately given more tokens a second a
-    sequence than steps launched ahead, and otherwise once every EXPLORE_STEPS steps, so the
-    scheduled rate stays measured."""
+    sequence than steps launched ahead, and otherwise once an exploration interval has passed,
+    so the scheduled rate stays measured; the interval doubles while explorations lose, up to a
+    bound, and starts again from the first once scheduling wins."""
+    first, last = EXPLORE_STEPS
     speculator = Speculator(SETTINGS)
     assert speculator.schedules_next(), "nothing measured yet"
     speculator.record_period(chained=True, tokens=8, seqs=8, seconds=0.001)  # 1,000 tokens/s a sequence
     assert speculator.schedules_next(), "scheduled steps not measured yet"
     speculator.record_period(chained=False, tokens=16, seqs=8, seconds=0.004)  # 500: launching ahead wins
-    scheduled = [speculator.schedules_next() for _ in range(3 * EXPLORE_STEPS)]
-    assert sum(scheduled) == 3 and all(scheduled[i] for i in range(EXPLORE_STEPS - 1, 3 * EXPLORE_STEPS, EXPLORE_STEPS))
+    scheduled = [speculator.schedules_next() for _ in range(7 * first)]
+    assert [i for i, s in enumerate(scheduled) if s] == [first - 1, 3 * first - 1, 7 * first - 1], \
+        "explorations come after 32, 64, 128 steps"
+    gaps = []
+    for _ in range(3):
+        steps = 1
+        while not speculator.schedules_next():
+            steps += 1
+        gaps.append(steps)
+    assert gaps == [8 * first, last, last], "doubled up to the bound, and no further"
     for _ in range(10):  # copied text: 4 tokens a verify in 2 ms, 2,000 a second a sequence
         speculator.record_period(chained=False, tokens=32, seqs=8, seconds=0.002)
-    assert all(speculator.schedules_next() for _ in range(EXPLORE_STEPS))
+    assert all(speculator.schedules_next() for _ in range(first))
     for _ in range(10):  # launching ahead got faster still
         speculator.record_period(chained=True, tokens=8, seqs=8, seconds=0.0004)
-    assert sum(speculator.schedules_next() for _ in range(EXPLORE_STEPS)) == 1
+    assert sum(speculator.schedules_next() for _ in range(first)) == 1, "the interval started again from the first"
     speculator.record_period(chained=True, tokens=0, seqs=0, seconds=0.001)  # an empty step is not a rate
     speculator.record_period(chained=True, tokens=8, seqs=8, seconds=0.0)
-    assert sum(speculator.schedules_next() for _ in range(EXPLORE_STEPS)) == 1
+    assert sum(speculator.schedules_next() for _ in range(2 * first)) == 1
 
 
 def test_a_proposal_left_out_is_tried_again_later():
