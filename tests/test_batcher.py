@@ -7,7 +7,7 @@ from worker.engines.native.batcher import Batcher
 from worker.engines.native.block_manager import BlockManager, BlockTable
 from worker.engines.native.pacer import PrefillPacer
 from worker.engines.native.sequence import DecodeRows
-from worker.engines.native.speculation import Settings, Speculator
+from worker.engines.native.speculation import Proposer, Settings, Speculator
 
 BLOCK = 4
 CONFIG = SimpleNamespace(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)
@@ -109,3 +109,27 @@ def test_no_step_goes_ahead_of_a_token_that_finds_no_block():
     lanes = batcher(num_blocks=1)
     full = decoding(lanes, 4)  # its one block is full: the pending token needs another
     assert lanes.ahead([full], rows=16, fits=GRAPH_ROWS) is None and len(full.blocks.blocks) == 1
+
+
+def test_with_overlap_no_proposals_take_the_rows_of_a_prompt_that_joins():
+    """On CUDA a prompt that joins a step runs as graph rows beside the decodes; a step that also
+    verified every sequence's proposals outgrew the graphs and ran eager, so while a prompt waits
+    for a free slot the decodes propose nothing. Once it is in, they propose again."""
+    settings = Settings(4, 2, 4, True, 0.5)
+    for overlap, proposes_beside_it in ((True, False), (False, True)):
+        blocks = BlockManager(64, BLOCK, prefix_caching=True)
+        lanes = Batcher(blocks, PrefillPacer(CONFIG, 0.25), Speculator(settings), 2048, 2, overlap, lambda seq: None)
+        seq = decoding(lanes, 6)
+        seq.tokens = [7, 8, 9, 7, 8, 9]  # "7 8" came before, followed by 9 7 8 9 ...
+        seq.proposer = Proposer(settings)
+        joining = prompt(range(30, 36))
+        joining.proposer = None
+        lanes.add(joining)
+        rows = lanes.schedule()
+        assert rows[0] == (seq, 5 if proposes_beside_it else 1), overlap
+        assert [count for _, count in rows[1:]] == [6], "the prompt joined whole"
+        seq.num_cached, seq.draft = len(seq.tokens) - 1, []
+        blocks.release(seq.blocks)
+        seq.blocks = BlockTable()
+        blocks.grow(seq.blocks, len(seq.tokens))
+        assert lanes.schedule()[0] == (seq, 5), "no prompt waits: the sequence proposes"
