@@ -26,7 +26,7 @@ from worker.engines.native.block_manager import BlockManager, zeros
 from worker.engines.native.messages import Messages
 from worker.engines.native.model import load_model
 from worker.engines.native.pacer import PrefillPacer
-from worker.engines.native.sequence import DecodeRows, Sequence, Step, batch_of, kept_rows
+from worker.engines.native.sequence import DecodeRows, Sequence, Step, batch_of, kept_rows, pick
 from worker.engines.native.speculation import Settings, Speculator
 from worker.engines.native.warmup import warm_up
 from worker.engines.prompt import encode_prompt, load_tokenizer
@@ -289,8 +289,8 @@ class NativeEngine(ThreadedEngine):
         step = Step(scheduled)
         if any(seq.draft for seq, _ in scheduled):
             step.verifying = [seq for seq, _ in scheduled if seq.draft]
-            step.draft_logits = logits[[row for (seq, count), end in zip(scheduled, ends) if seq.draft
-                                        for row in range(end - count, end)]]
+            step.draft_logits = pick(logits, [row for (seq, count), end in zip(scheduled, ends) if seq.draft
+                                              for row in range(end - count, end)])
         # Rows that end their sequence's known tokens get a next one (a chunk mid-prompt does not).
         at = [i for i, (seq, count) in enumerate(scheduled)
               if not seq.draft and seq.num_cached + count == len(seq.tokens)]
@@ -299,7 +299,7 @@ class NativeEngine(ThreadedEngine):
         step.ready = [scheduled[i][0] for i in at]
         self._ends += [seq.stream for seq in step.ready if seq.ends_with_next()]
         if len(at) < ends[-1]:  # else every row: no index tensor to build and copy over
-            logits = logits[[ends[i] - 1 for i in at]]
+            logits = pick(logits, [ends[i] - 1 for i in at])
         step.logits = logits
         return step.sample(self.grammars)
 
@@ -321,7 +321,7 @@ class NativeEngine(ThreadedEngine):
         scheduled = self.batcher.ahead(live, self.graphs.max_batch, self.decode_rows)
         if not scheduled:
             return None
-        pending = step.tokens if live is seqs else self.graphs.pick(step.tokens, kept)
+        pending = step.tokens if live is seqs else pick(step.tokens, kept)
         joined, block_size = scheduled[len(live):], self.blocks.block_size
         if 2 in left:  # this step makes their last token (a pass over 256 rows costs ~10 us: only then)
             self._ends += [seqs[i].stream for i, count in enumerate(left) if count == 2]

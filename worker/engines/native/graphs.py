@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from worker.engines.native.model import Batch, LlamaModel
-from worker.engines.native.sequence import Sequence, logit_rows
+from worker.engines.native.sequence import Sequence, logit_rows, pick
 
 
 def graph_sizes(max_batch: int) -> list[int]:
@@ -82,12 +82,7 @@ class DecodeGraphs:
         keep = [*range(first), *(first + row for row in logit_rows(scheduled))]
         if len(keep) == n:
             return logits
-        return self.pick(logits, keep)
-
-    def pick(self, tokens: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        """tokens[rows], on the device: the index copied from pinned memory, so it does not wait for
-        what computes `tokens` (a list index would)."""
-        return tokens.index_select(0, torch.tensor(rows).pin_memory().to(tokens.device, non_blocking=True))
+        return pick(logits, keep)
 
     def run(self, n: int, width: int, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (n, vocab) of the n one-token decodes in rows [0, n) of the host inputs, whose block
