@@ -40,6 +40,7 @@ class Rows:
         # No row needs its last token on the host before it is sampled (the grammar's state, the
         # output so far, which logprobs record).
         self.plain = not self.asked and not self.matched and not any(p.is_penalized for p in self.params)
+        self.on_device: Limits | None = None  # the params sample() reads, built at its first step
 
 
 def choose(logits: torch.Tensor, rows: Rows, grammars: Any) -> tuple[torch.Tensor, lp.Pending | None]:
@@ -52,22 +53,25 @@ def choose(logits: torch.Tensor, rows: Rows, grammars: Any) -> tuple[torch.Tenso
     constrained = [row for row in rows.matched if not every[row].matcher.is_terminated()]
     if constrained:
         grammars.mask(logits, constrained, [every[row].matcher for row in constrained])
+    if not rows.greedy and rows.on_device is None:
+        rows.on_device = Limits(rows.params, logits.shape[-1], logits.device)
     tokens = argmax(logits) if rows.greedy else sample(
         logits, rows.params, [r.generator for r in every], [r.request.prompt_token_ids for r in every],
-        [r.output_ids for r in every])
+        [r.output_ids for r in every], rows.on_device)
     if raw is None:
         return tokens, None
     chosen = tokens[asked] if len(asked) < len(every) else tokens
     return tokens, lp.sampled(raw, chosen, [every[row].request.logprobs for row in asked])
 
 
-def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
-    """One generator per request: the same seed gives the same tokens whatever shares the batch.
-    None for a greedy one, which draws nothing (a CUDA generator took 22 us to make on an H100 host:
-    6 ms of the first tokens of 256 requests sent at once)."""
+def make_generator(params: SamplingParams) -> torch.Generator | None:
+    """One generator per request, on the host whatever the device: the same seed gives the same
+    tokens whatever shares the batch. A step's draws, one a sampled row, go over to the device in
+    one copy (inverse_cdf): drawn on a CUDA generator, each was a launch of its own, ~0.5 ms of the
+    engine thread a step at batch 64 on an H100 host. None for a greedy request, which draws nothing."""
     if params.is_greedy:
         return None
-    generator = torch.Generator(device=device)
+    generator = torch.Generator()
     if params.seed is not None:
         generator.manual_seed(params.seed % (1 << 63))
     else:
@@ -152,37 +156,64 @@ if triton is not None:
         tl.store(out_ptr + row, tl.load(within_ptr + row * CHUNKS + first))
 
 
+def on_device(values: list | torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Values from the host as a tensor on `device` without waiting for it: on CUDA copied from
+    pinned memory. From pageable memory (torch.tensor(..., device=...), a list index) CUDA syncs the
+    stream before the copy, so the engine thread waited there for the forward it had just queued."""
+    host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+
+
+class Limits:
+    """What sample() reads of its rows' params, on the logits' device: the temperatures (B,), the
+    sampled rows without truncation (`plain`) and with it (`cut`, top-k / top-p / min-p), and the
+    latter's limits. Built once for a Rows, which steps launched ahead share."""
+
+    def __init__(self, params: list[SamplingParams], vocab: int, device: torch.device):
+        self.temperature = on_device([p.temperature or 1.0 for p in params], device)
+        self.plain = [row for row, p in enumerate(params) if not p.is_greedy and not p.truncates(vocab)]
+        self.cut = [row for row, p in enumerate(params) if not p.is_greedy and p.truncates(vocab)]
+        self.plain_rows = on_device(self.plain, device, torch.long) if self.plain else None
+        self.cut_rows = on_device(self.cut, device, torch.long) if self.cut else None
+        self.top = tuple(on_device(values, device) for values in _top([params[row] for row in self.cut], vocab))
+
+
+def _top(params: list[SamplingParams], vocab: int) -> tuple[list, list, list]:
+    """(top-k, top-p, min-p) of each of `params`; top-k 0 (off) read as the vocabulary's size."""
+    return [p.top_k or vocab for p in params], [p.top_p for p in params], [p.min_p for p in params]
+
+
 def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     prompt_ids: list[list[int]],
     output_ids: list[list[int]],
+    limits: Limits | None = None,
 ) -> torch.Tensor:
     """Next token per row of logits (B, V): a (B,) int64 tensor on the logits' device. Nothing here
-    waits for the device, so a caller may queue more work before it reads the tokens."""
+    waits for the device (penalties aside), so a caller may queue more work before it reads the
+    tokens. `limits`: Limits(params, ...), when the caller keeps them."""
     if all(p.is_greedy and not p.is_penalized for p in params):
         return argmax(logits)  # any dtype: a float copy would change no order
     logits = apply_penalties(logits.float(), params, prompt_ids, output_ids)
     greedy = argmax(logits)
     if all(p.is_greedy for p in params):
         return greedy
-    device, vocab = logits.device, logits.shape[-1]
-    temperature = torch.tensor([p.temperature or 1.0 for p in params], device=device)
-    probs = torch.softmax(logits / temperature[:, None], dim=-1)  # (B, V)
+    limits = limits or Limits(params, logits.shape[-1], logits.device)
+    probs = torch.softmax(logits / limits.temperature[:, None], dim=-1)  # (B, V)
     # Only rows with top-k, top-p or min-p need their probabilities sorted: at batch 8 and a 49k
     # vocabulary the sort was half of sampling's time, which the other rows skip. Each row draws one
     # uniform number from its own generator and takes the token where it falls in the cumulative
     # probabilities (the exponential race it replaces drew a number per token: 1 ms a row on a CPU).
     tokens = greedy.clone()
-    plain = [row for row, p in enumerate(params) if not p.is_greedy and not p.truncates(vocab)]
-    cut = [row for row, p in enumerate(params) if not p.is_greedy and p.truncates(vocab)]
-    if plain:
-        tokens[plain] = inverse_cdf(probs[plain], [generators[row] for row in plain])
-    if cut:
-        kept, order = _truncated(probs[cut], [params[row] for row in cut])
-        ranks = inverse_cdf(kept, [generators[row] for row in cut])
-        tokens[cut] = order.gather(1, ranks[:, None])[:, 0]
+    if limits.plain:
+        drawn = inverse_cdf(probs.index_select(0, limits.plain_rows), [generators[row] for row in limits.plain])
+        tokens.index_copy_(0, limits.plain_rows, drawn)
+    if limits.cut:
+        kept, order = _truncated(probs.index_select(0, limits.cut_rows), *limits.top)
+        ranks = inverse_cdf(kept, [generators[row] for row in limits.cut])
+        tokens.index_copy_(0, limits.cut_rows, order.gather(1, ranks[:, None])[:, 0])
     return tokens
 
 
@@ -194,7 +225,8 @@ def distribution(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Te
     temperature = torch.full((len(logits),), params.temperature, device=logits.device)
     probs = torch.softmax(logits.float() / temperature[:, None], dim=-1)
     if params.truncates(logits.shape[-1]):
-        return _truncated(probs, [params] * len(logits))
+        top = _top([params] * len(logits), logits.shape[-1])
+        return _truncated(probs, *(on_device(values, logits.device) for values in top))
     return probs, None
 
 
@@ -202,22 +234,19 @@ def inverse_cdf(probs: torch.Tensor, generators: list[torch.Generator]) -> torch
     """(R,) indices drawn from each row of probs (R, V), which need not sum to 1; zeros never drawn."""
     cdf = probs.cumsum(dim=-1)
     total = cdf[:, -1]
-    draws = torch.cat([torch.rand(1, generator=g, device=probs.device) for g in generators])
+    draws = on_device(torch.cat([torch.rand(1, generator=g) for g in generators]), probs.device)
     # Below the total even where draw * total rounds up to it, and the first index whose running
     # total exceeds the point (right=True): a token of probability 0 is never the one found.
     points = torch.minimum(draws * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, points[:, None], right=True)[:, 0]
 
 
-def _truncated(probs: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of probs sorted in descending order with what top-k, top-p and min-p drop set to 0, and
-    the sort's order (token ids by rank)."""
-    device, vocab = probs.device, probs.shape[-1]
+def _truncated(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+               min_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of probs sorted in descending order with what top-k, top-p and min-p (one each a row)
+    drop set to 0, and the sort's order (token ids by rank)."""
     sorted_probs, order = probs.sort(dim=-1, descending=True)
-    top_k = torch.tensor([p.top_k or vocab for p in params], device=device)
-    top_p = torch.tensor([p.top_p for p in params], device=device)
-    min_p = torch.tensor([p.min_p for p in params], device=device)
-    ranks = torch.arange(vocab, device=device)[None, :]
+    ranks = torch.arange(probs.shape[-1], device=probs.device)[None, :]
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     drop = (ranks >= top_k[:, None]) | (mass_before >= top_p[:, None])
     drop |= sorted_probs < (min_p * sorted_probs[:, 0])[:, None]

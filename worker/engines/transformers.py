@@ -129,7 +129,7 @@ class TransformersEngine(ThreadedEngine):
         self._inbox.put(("add", _Sequence(
             stream=stream,
             request=request,
-            generator=make_generator(request.sampling, self.device),
+            generator=make_generator(request.sampling),
             text=OutputText(self.tokenizer, request.prompt_token_ids, request.sampling.stop, self.eos_ids),
             matcher=self.grammars.matcher(request.grammar) if request.grammar is not None else None,
         )))

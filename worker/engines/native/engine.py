@@ -190,7 +190,7 @@ class NativeEngine(ThreadedEngine):
             return refused
         stream, params = RequestStream(request.request_id), request.sampling
         seq = Sequence(
-            stream, request, make_generator(params, self.device),
+            stream, request, make_generator(params),
             OutputText(self.tokenizer, request.prompt_token_ids, params.stop, self.eos_ids),
             list(request.prompt_token_ids),
             matcher=self.grammars.matcher(request.grammar) if request.grammar is not None else None,
