@@ -12,6 +12,7 @@ from worker.config import ConfigError
 from worker.config_loader import load_config
 from worker.engines.native.engine import NativeEngine
 from worker.engines.native.speculation import EXPLORE_STEPS, PAUSE_STEPS, Proposer, Settings, Speculator, StepCost, verify
+from worker.engines.sampler import Draws
 from worker.errors import RequestDeadlineExceeded
 from worker.request import ChatMessage, GenerationRequest, SamplingParams
 
@@ -169,7 +170,7 @@ class Row:
     def __init__(self, draft, temperature=0.0, seed=0, top_k=0):
         self.draft = draft
         self.request = GenerationRequest(request_id="r", sampling=SamplingParams(temperature=temperature, top_k=top_k))
-        self.generator = torch.Generator().manual_seed(seed)
+        self.generator = Draws(seed)
 
 
 def one_hot(ids: list[int], vocab: int = 8) -> torch.Tensor:

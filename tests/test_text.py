@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from worker.engines.detokenizer import IncrementalDetokenizer, StopStrings
-from worker.engines.sampler import argmax, make_generator, sample
+from worker.engines.sampler import Draws, argmax, make_generator, sample
 from worker.request import SamplingParams
 
 
@@ -96,6 +96,17 @@ def test_same_seed_same_tokens_whatever_else_is_in_the_batch():
 
     assert draw(0) == draw(3)
     assert len(set(draw(0))) > 5
+
+
+def test_a_request_s_draws_run_on_across_blocks_and_repeat_with_its_seed():
+    """Draws come a block at a time from the request's own generator: one stream, the same for a
+    seed however the draws are taken, and none repeated where a block ends."""
+    first = Draws(5)
+    taken = [first.next() for _ in range(2 * Draws.BLOCK + 3)]
+    assert len(set(taken)) == len(taken) and all(0.0 <= x < 1.0 for x in taken)
+    again = Draws(5)
+    assert [again.next() for _ in range(len(taken))] == taken
+    assert Draws(6).next() != taken[0]
 
 
 @pytest.mark.parametrize("top_p", [1.0, 0.999], ids=["unsorted", "sorted"])

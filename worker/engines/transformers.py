@@ -19,7 +19,7 @@ from worker.engines.base import ModelInfo, RequestStream
 from worker.engines.detokenizer import OutputText
 from worker.engines.prompt import encode_prompt
 from worker.engines.logprobs import of_prompt
-from worker.engines.sampler import Rows, choose, make_generator
+from worker.engines.sampler import Draws, Rows, choose, make_generator
 from worker.engines.threaded import ThreadedEngine
 from worker.errors import DeviceOutOfMemory, EngineRequestError
 from worker.models import locate_model
@@ -35,7 +35,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class _Sequence:
     stream: RequestStream
     request: GenerationRequest
-    generator: torch.Generator | None
+    generator: Draws | None
     text: OutputText
     output_ids: list[int] = field(default_factory=list)
     cache: Any = None

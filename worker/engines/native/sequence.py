@@ -14,7 +14,7 @@ from worker.engines.logprobs import Pending, of_prompt
 from worker.engines.native.block_manager import BlockTable
 from worker.engines.native.model import Batch
 from worker.engines.native.speculation import Proposer
-from worker.engines.sampler import Rows, choose, on_device
+from worker.engines.sampler import Draws, Rows, choose, on_device
 from worker.request import GenerationRequest, TokenLogprob
 from worker.telemetry import get_logger
 
@@ -39,7 +39,7 @@ class Outbox:
 class Sequence:
     stream: RequestStream
     request: GenerationRequest
-    generator: torch.Generator | None
+    generator: Draws | None
     """None for a greedy request (sampler.make_generator)."""
     text: OutputText
     tokens: list[int]

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from worker.config import ConfigError
-from worker.engines.sampler import distribution, inverse_cdf
+from worker.engines.sampler import Draws, distribution, inverse_cdf
 
 if TYPE_CHECKING:
     from worker.engines.native.block_manager import BlockManager
@@ -324,7 +324,7 @@ def verify(logits: torch.Tensor, rows: list) -> list[list[int]]:
     return out
 
 
-def _sampled(probs: torch.Tensor, order: torch.Tensor | None, draft: list[int], generator: torch.Generator) -> list[int]:
+def _sampled(probs: torch.Tensor, order: torch.Tensor | None, draft: list[int], generator: Draws) -> list[int]:
     """Position by position, the token sampling draws there (one number from the request's
     generator, as sample() draws it); a proposal is accepted when it is that token, and the first
     that is not ends the row with the token drawn. So a proposal is accepted with its probability
