@@ -235,7 +235,9 @@ def test_slow_and_idle_clients_are_closed_at_their_limits_and_others_served(guar
     during = sorted(complete(front) for _ in range(5))[2]
     (idle_held, _), (head_held, _), (body_held, body_answers), (grpc_held, _) = (
         wait_closed(group, 10) for group in (idle, slow_head, slow_body, silent_grpc))
-    assert all(3 <= s < 3 + 2.5 for s in idle_held), sorted(idle_held)[::20]
+    # The sidecar's clock starts at accept, a little before open_connections reads its own (on a loaded
+    # 2-core machine one closed 3.4 ms short of 3 s by the client's clock).
+    assert all(3 - 0.1 <= s < 3 + 2.5 for s in idle_held), sorted(idle_held)[::20]
     assert all(2 <= s < 2 + 2.5 for s in head_held), sorted(head_held)[::20]
     assert all(2 <= s < 2 + 2.5 for s in body_held), sorted(body_held)[::20]
     assert all(answer.startswith(b"HTTP/1.1 408") for answer in body_answers)

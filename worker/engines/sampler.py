@@ -40,7 +40,7 @@ class Rows:
         # No row needs its last token on the host before it is sampled (the grammar's state, the
         # output so far, which logprobs record).
         self.plain = not self.asked and not self.matched and not any(p.is_penalized for p in self.params)
-        self.on_device: Limits | None = None  # the params sample() reads, built at its first step
+        self.limits: Limits | None = None  # the params sample() reads, built at its first step
 
 
 def choose(logits: torch.Tensor, rows: Rows, grammars: Any) -> tuple[torch.Tensor, lp.Pending | None]:
@@ -53,11 +53,11 @@ def choose(logits: torch.Tensor, rows: Rows, grammars: Any) -> tuple[torch.Tenso
     constrained = [row for row in rows.matched if not every[row].matcher.is_terminated()]
     if constrained:
         grammars.mask(logits, constrained, [every[row].matcher for row in constrained])
-    if not rows.greedy and rows.on_device is None:
-        rows.on_device = Limits(rows.params, logits.shape[-1], logits.device)
+    if not rows.greedy and rows.limits is None:
+        rows.limits = Limits(rows.params, logits.shape[-1], logits.device)
     tokens = argmax(logits) if rows.greedy else sample(
         logits, rows.params, [r.generator for r in every], [r.request.prompt_token_ids for r in every],
-        [r.output_ids for r in every], rows.on_device)
+        [r.output_ids for r in every], rows.limits)
     if raw is None:
         return tokens, None
     chosen = tokens[asked] if len(asked) < len(every) else tokens
@@ -169,11 +169,11 @@ if triton is not None:
         tl.store(out_ptr + row, tl.load(within_ptr + row * CHUNKS + first))
 
 
-def on_device(values: list | torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Values from the host as a tensor on `device` without waiting for it: on CUDA copied from
-    pinned memory. From pageable memory (torch.tensor(..., device=...), a list index) CUDA syncs the
-    stream before the copy, so the engine thread waited there for the forward it had just queued."""
-    host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+def on_device(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A list as a tensor on `device` without waiting for it: on CUDA copied from pinned memory.
+    From pageable memory (torch.tensor(..., device=...), a list index) CUDA syncs the stream before
+    the copy, so the engine thread waited there for the forward it had just queued."""
+    host = torch.tensor(values, dtype=dtype)
     return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
 
 
