@@ -10,10 +10,11 @@ The engine runs in this process with `speculation: requested`, and each request 
 (PredictRequest.speculative). 16 prompts a workload (sent `--passes` times a run: on a GPU a
 batch-8 run of 16 takes ~0.2 s, where a hiccup moves the ratio by 10-30%), greedy, 128 new tokens
 at most (streams end at EOS, the same in both modes: the bench checks the tokens are identical),
-sent by `batch` clients that each send their next request when the last one ends. Batch 1 is judged by its decode rate (tokens
-after each stream's first over the time after it: prefill left out); batch 8 by completion tokens
-over the wall time, what a server at that concurrency serves (a static batch of 8 waits for its
-longest stream, which speculation shortens only when that stream repeats itself). Acceptance:
+sent by `batch` clients that each send their next request when the last one ends. Batch 1 is judged
+by its decode rate (tokens after each stream's first over the time after it: prefill left out);
+batch 8 by completion tokens over the wall time, what a server at that concurrency serves (a
+static batch of 8 waits for its longest stream, which speculation shortens only when that stream
+repeats itself). Acceptance:
 accepted / proposed tokens, from the engine's counters. lookup_bound: the share of the output tokens
 (speculation off) that follow an n-gram (n = speculative_ngram_min) met earlier in their prompt or
 output and followed there by the same token; n-gram proposals can have no more accepted.

@@ -188,7 +188,8 @@ class Limits:
         self.cut = [row for row, p in enumerate(params) if not p.is_greedy and p.truncates(vocab)]
         self.plain_rows = on_device(self.plain, device, torch.long) if self.plain else None
         self.cut_rows = on_device(self.cut, device, torch.long) if self.cut else None
-        self.top = tuple(on_device(values, device) for values in _top([params[row] for row in self.cut], vocab))
+        self.top = tuple(on_device(values, device) for values in _top([params[row] for row in self.cut], vocab)) \
+            if self.cut else None
 
 
 def _top(params: list[SamplingParams], vocab: int) -> tuple[list, list, list]:

@@ -66,13 +66,13 @@ class Batcher:
                 self.blocks.grow(seq.blocks, seq.num_cached + 1)
                 scheduled.append((seq, 1))
                 budget -= 1
+        joins = bool(self.waiting) and len(self.running) < self.max_num_seqs  # a prompt chunk may join
         # With overlap (CUDA) a prompt let in joins as graph rows beside the decodes; with every
         # draft verified too, the step outgrew the graphs and ran eager (H100, rewrites at batch 8:
         # 4-14 ms such a step against 1.4-2.4 without the drafts, 0.72x against 1.17x in all).
-        if self.speculator.settings.num_tokens and not (
-                self.overlap and self.waiting and len(self.running) < self.max_num_seqs):
+        if self.speculator.settings.num_tokens and not (self.overlap and joins):
             budget -= self.speculator.propose(scheduled, self.blocks, self.overlap)
-        if self.waiting and len(self.running) < self.max_num_seqs:  # a chunk may join: price the decodes
+        if joins:  # price the decodes
             self.step_flops = sum(self.pacer.cost(count, seq.num_cached) for seq, count in scheduled)
         self._admit(scheduled, budget)
         return scheduled
