@@ -77,6 +77,8 @@ async def running_worker(**overrides: Any):
     """A Worker in this event loop, serving a fresh socket; yields (worker, client)."""
     socket_dir = short_tmpdir()
     settings = {"server.socket": f"{socket_dir}/w.sock", "engine.name": "synthetic", **overrides}
+    if os.environ.get("CYLLM_TEST_OWN_PROCESS"):
+        settings["engine.own_process"] = "true"
     config = load_config(None, {"HOME": os.environ.get("HOME", "/tmp")}, settings)
     worker = Worker(config, create_engine)
     task = asyncio.create_task(worker.run())
@@ -144,7 +146,8 @@ class WorkerProcess(LoggedProcess):
             self.socket_dir = short_tmpdir()
             socket_path = f"{self.socket_dir}/w.sock"
         self.socket_path = socket_path
-        super().__init__([sys.executable, "-m", "worker", "serve", "--socket", socket_path, *args], env)
+        own = ["--set", "engine.own_process=true"] if os.environ.get("CYLLM_TEST_OWN_PROCESS") else []
+        super().__init__([sys.executable, "-m", "worker", "serve", "--socket", socket_path, *own, *args], env)
 
     def wait_ready(self, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout

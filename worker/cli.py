@@ -197,7 +197,7 @@ def _serve(config: Config) -> int:
         print(f"cy-llm: configuration error: {exc}", file=sys.stderr)
         return 2
     try:
-        code = _run_async(worker.run())
+        code = run_async(worker.run())
         if worker.engine.still_loading():
             # Stopped mid-load: finalizing the interpreter around a thread inside the load's native
             # code aborts the process (CUDA: "terminate called without an active exception").
@@ -280,7 +280,7 @@ def _bench(args: argparse.Namespace, config: Config) -> int:
     return 1 if result["errors"] else 0
 
 
-def _run_async(coroutine) -> int:
+def run_async(coroutine) -> int:
     try:
         import uvloop
     except ImportError:

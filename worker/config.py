@@ -17,6 +17,9 @@ class ConfigError(ValueError):
         super().__init__(f"{key}: {message}")
         self.key = key
 
+    def __reduce__(self):  # so it crosses from an engine's own process (hosted.py) as itself
+        return ConfigError, (self.key, str(self)[len(self.key) + 2:])
+
 
 @dataclass
 class ServerConfig:
@@ -123,6 +126,12 @@ class EngineConfig:
     use_preset: bool = True
     """Apply the dependency registry's preset for the detected (hardware, engine) to whatever
     this config leaves unset."""
+    own_process: str = "auto"
+    """auto | true | false: the engine (native, transformers, synthetic) in a process of its own,
+    the worker's keeping gRPC, admission and tokenizing, so the engine's host work no longer
+    shares one interpreter lock with theirs (docs/architecture.md). auto: native on CUDA (on an
+    H100, 1.1-1.3x the tokens/s of the embedded model; on a 2-core CPU the two processes only
+    contend for the cores). vLLM and TensorRT-LLM run their engine cores in processes of their own."""
 
     def validate(self) -> None:
         if not self.name:
@@ -138,6 +147,12 @@ class EngineConfig:
         _check_range("engine.max_model_len", self.max_model_len, 0, 10_000_000)
         if not isinstance(self.args, dict):
             raise ConfigError("engine.args", "must be a mapping")
+        self.own_process = str(self.own_process).lower()
+        if self.own_process not in {"auto", "true", "false"}:
+            raise ConfigError("engine.own_process", f"{self.own_process!r} is not auto|true|false")
+        if self.own_process == "true" and self.name in {"vllm", "trtllm"}:
+            raise ConfigError("engine.own_process", f"the {self.name} engine runs its engine core in a process of "
+                              "its own already; leave own_process auto or false")
 
 
 @dataclass

@@ -139,7 +139,8 @@ class GenerationRequest:
     """OpenAI tool definitions, for the chat template."""
     constraint: Constraint | None = None
     grammar: object = None
-    """The constraint compiled for the engine's tokenizer (set before admission)."""
+    """The constraint compiled for the engine's tokenizer (set before admission); on its way to an
+    engine in its own process, that serialized (str)."""
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     speculative: bool | None = None

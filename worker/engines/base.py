@@ -146,6 +146,9 @@ class BaseEngine(ABC):
         # Set by engines that compile structured-output constraints for their tokenizer once loaded.
         self.grammars: Grammars | None = None
         self.tokenizer: Any = None
+        # How the engine makes a request's stream: in an engine's own process (hosted.py), one
+        # that forwards its outputs to the worker's.
+        self.make_stream: Callable[[str], RequestStream] = RequestStream
 
     def capabilities(self) -> Capabilities:
         return Capabilities(

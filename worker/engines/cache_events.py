@@ -15,8 +15,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from array import array
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from worker.errors import CacheSubscriberLagging, NoCacheEvents
 
@@ -55,10 +56,16 @@ class CacheEvents:
         self._blocks: dict[bytes, tuple[bytes, list[int]]] = {}  # hash -> (parent hash, token ids)
         self._subscribers: set[asyncio.Queue] = set()
         self.stopped: str | None = None  # why the events stopped, once they have
+        # Set in an engine's own process (hosted.py): publish and stop go, as (name, argument), to
+        # the worker's process, whose CacheEvents does the rest.
+        self.forward: Callable[[tuple[str, Any]], None] | None = None
 
     def publish(self, changes: list[tuple]) -> None:
         """Applies one step's ("stored", hash, parent, tokens) and ("removed", hash) changes, in
         order; the batch says only what changed from before the step to after it."""
+        if self.forward is not None:
+            self.forward(("publish", changes))
+            return
         was: dict[bytes, bool] = {}  # hash -> cached before this step
         for change in changes:
             digest = change[1]
@@ -85,6 +92,9 @@ class CacheEvents:
     def stop(self, reason: str) -> None:
         """The engine's event source failed: what it holds from now on is unknown."""
         self.stopped = reason
+        if self.forward is not None:
+            self.forward(("stop", reason))
+            return
         for queue in self._subscribers:
             queue.put_nowait(NoCacheEvents(f"cache events stopped: {reason}"))
         self._subscribers.clear()

@@ -56,6 +56,10 @@ def create_engine(config: Config, on_fatal: Callable[[BaseException], None] | No
         raise ConfigError("engine.name", f"unknown engine {config.engine.name!r}; available: {', '.join(ENGINES)}")
     try:
         engine_cls = loader()
+        if runs_in_own_process(config):
+            from worker.engines.process import ProcessEngine
+
+            return ProcessEngine(config, on_fatal, engine_cls(config))
         return engine_cls(config, on_fatal)
     except ImportError as exc:
         raise ConfigError(
@@ -63,3 +67,17 @@ def create_engine(config: Config, on_fatal: Callable[[BaseException], None] | No
             f"engine {config.engine.name!r} needs packages that are not installed ({exc.name}); "
             f"install its stack: cy-llm setup --engine {config.engine.name}",
         ) from exc
+
+
+def runs_in_own_process(config: Config) -> bool:
+    """engine.own_process; auto: the native engine on CUDA."""
+    engine = config.engine
+    if engine.own_process != "auto":
+        return engine.own_process == "true"
+    if engine.name != "native" or engine.device == "cpu":
+        return False
+    if engine.device.startswith("cuda"):
+        return True
+    import torch  # the native engine's own dependency; no CUDA context is made here
+
+    return torch.cuda.is_available()

@@ -43,6 +43,7 @@ class Grammars:
 
         self._xgr = xgr
         self.vocab_size = vocab_size
+        self.stop_ids = stop_ids
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                        stop_token_ids=sorted(stop_ids))
         # Its cache keys on the constraint's text: a repeated schema compiles once.
@@ -76,6 +77,15 @@ class Grammars:
 
     def matcher(self, compiled: Any) -> Any:
         return self._xgr.GrammarMatcher(compiled)
+
+    @staticmethod
+    def serialize(compiled: Any) -> str:
+        """For an engine in its own process (xgrammar's grammars do not pickle): ~2 ms, 54 kB for a
+        two-property schema with SmolLM2's tokenizer."""
+        return compiled.serialize_json()
+
+    def deserialize(self, text: str) -> Any:
+        return self._xgr.CompiledGrammar.deserialize_json(text, self.info)
 
     def mask(self, logits: torch.Tensor, rows: list[int], matchers: list[Any]) -> None:
         """Sets to -inf, in place, the logits of tokens each row's grammar does not allow next. Rows

@@ -172,7 +172,7 @@ class SyntheticEngine(BaseEngine):
         return [zlib.crc32(word.encode()) % vocab for word in text.split()] or [0]
 
     def stream_predict(self, request: GenerationRequest) -> RequestStream:
-        stream = RequestStream(request.request_id)
+        stream = self.make_stream(request.request_id)
         seed = request.sampling.seed if request.sampling.seed is not None else zlib.crc32(
             bytes(str(request.prompt_token_ids), "ascii"))
         ids = request.prompt_token_ids

@@ -7,6 +7,7 @@ call_soon_threadsafe; an exception escaping the thread fails every open stream a
 from __future__ import annotations
 
 import asyncio
+import functools
 import queue
 import threading
 import time
@@ -64,6 +65,13 @@ class ThreadedEngine(BaseEngine):
     def abort(self, stream: RequestStream) -> None:
         self._inbox.put(("abort", stream))
 
+    def after_admissions(self, callback: Callable[[], None]) -> None:
+        """On the event loop: runs `callback` once the requests admitted into the slots that what
+        the loop just ran gave back have reached the engine. Two hops: those outputs' callbacks
+        wake the admitted requests' tasks with call_soon, and the second call_soon runs after them.
+        (In an engine's own process, the admissions happen in the worker's: hosted.py.)"""
+        self._loop.call_soon(callback)
+
     def _take_inbox(self, block: bool, sync_s: float = 0.0) -> bool:
         """On the engine thread: applies adds and aborts; False once asked to stop.
 
@@ -76,9 +84,7 @@ class ThreadedEngine(BaseEngine):
         if sync_s > 0 and not block and self._loop is not None:
             self._syncs += 1
             marker = self._syncs
-            # Two hops: the outputs' callbacks wake the admitted requests' tasks with call_soon,
-            # and this marker's second call_soon runs after them.
-            self._loop.call_soon_threadsafe(self._loop.call_soon, self._inbox.put, ("sync", marker))
+            self._loop.call_soon_threadsafe(self.after_admissions, functools.partial(self._inbox.put, ("sync", marker)))
         while not self._stopping:
             try:
                 if marker is not None:
@@ -134,7 +140,7 @@ class ThreadedEngine(BaseEngine):
         """A stream already failed, when the engine thread has died."""
         if self._dead is None:
             return None
-        stream = RequestStream(request_id)
+        stream = self.make_stream(request_id)
         stream.fail(EngineDead("engine stopped"))
         return stream
 

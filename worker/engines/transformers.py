@@ -125,7 +125,7 @@ class TransformersEngine(ThreadedEngine):
     def stream_predict(self, request: GenerationRequest) -> RequestStream:
         if (refused := self._refused(request.request_id)) is not None:
             return refused
-        stream = RequestStream(request.request_id)
+        stream = self.make_stream(request.request_id)
         self._inbox.put(("add", _Sequence(
             stream=stream,
             request=request,

@@ -11,6 +11,7 @@ tokens are has that successor launched first, fed with its tokens on the device 
 from __future__ import annotations
 
 import itertools
+import operator
 import os
 import time
 
@@ -39,6 +40,7 @@ from worker.telemetry import get_logger
 
 log = get_logger(__name__)
 GIB = 1 << 30
+ENDING = operator.methodcaller("ending")  # stream.ending(), also for a stream that forwards (hosted.py)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ARGS = {"block_size": 16, "max_num_batched_tokens": 2048, "max_num_seqs": 64, "gpu_memory_utilization": 0.9,
         "kv_cache_dtype": "auto", "enable_prefix_caching": True, "enforce_eager": False, "cpu_threads": 0,
@@ -188,7 +190,7 @@ class NativeEngine(ThreadedEngine):
     def stream_predict(self, request: GenerationRequest) -> RequestStream:
         if (refused := self._refused(request.request_id)) is not None:
             return refused
-        stream, params = RequestStream(request.request_id), request.sampling
+        stream, params = self.make_stream(request.request_id), request.sampling
         seq = Sequence(
             stream, request, make_generator(params),
             OutputText(self.tokenizer, request.prompt_token_ids, params.stop, self.eos_ids),
@@ -392,7 +394,7 @@ class NativeEngine(ThreadedEngine):
         for seq in ended:
             if not seq.done:
                 self.batcher.drop(seq)
-        outputs, self._ends = [(RequestStream.ending, stream) for stream in self._ends], []
+        outputs, self._ends = [(ENDING, stream) for stream in self._ends], []
         outputs += [(stream.put, output) for stream, output in sent]
         if changes := self.blocks.take_changes():  # the cache's changes since the last step, in its wake-up
             outputs.append((self.events.publish, changes))

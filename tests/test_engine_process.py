@@ -1,0 +1,194 @@
+"""engine.own_process: the engine in a process of its own (engines/process.py and hosted.py). The
+worker's answers are those of the engine in process; what a request holds comes back however it
+ends; the engine's process ends with the worker, and the worker with it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from tests.conftest import running_worker, synthetic_request
+from worker.config import ConfigError
+from worker.config_loader import load_config
+from worker.engines.factory import runs_in_own_process, create_engine
+from worker.request import GenerationRequest, SamplingParams
+from worker.gen.cyllm.inference.v1 import inference_pb2 as pb
+
+SYNTHETIC = ("--engine", "synthetic", "--set", "engine.own_process=true")
+SLOW = {"engine.args.step_ms": "10"}  # a token for every request each 10 ms
+
+
+def children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(p) for p in path.read_text().split()] if path.exists() else []
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split(") ")[1][0] != "Z"
+
+
+def test_auto_puts_the_native_engine_on_cuda_in_a_process_of_its_own():
+    def own(**settings) -> bool:
+        config = load_config(None, {"HOME": "/tmp"}, {"server.socket": "/tmp/x.sock", **settings})
+        return runs_in_own_process(config)
+
+    assert own(**{"engine.name": "native", "engine.device": "cuda"})
+    assert own(**{"engine.name": "native", "engine.device": "cuda:1"})
+    assert not own(**{"engine.name": "native", "engine.device": "cpu"})
+    assert not own(**{"engine.name": "transformers", "engine.device": "cuda"})
+    assert not own(**{"engine.name": "vllm", "engine.device": "cuda"})
+    assert own(**{"engine.name": "synthetic", "engine.own_process": "true"})
+    assert not own(**{"engine.name": "native", "engine.device": "cuda", "engine.own_process": "false"})
+    with pytest.raises(ConfigError, match="engine.own_process"):
+        own(**{"engine.own_process": "sometimes"})
+
+
+@pytest.mark.model
+async def test_a_slot_comes_back_at_the_launch_of_the_last_step_across_processes(embedded_model):
+    """RequestStream.ending crosses too: the worker's stream releases (on_finish) before its last
+    output, as with the engine in process (test_native_engine)."""
+    config = load_config(None, {"HOME": "/tmp"}, {"server.socket": "/tmp/x.sock", "engine.name": "native",
+                                                   "engine.model": str(embedded_model), "engine.own_process": "true"})
+    engine = create_engine(config)
+    await engine.load_model()
+    try:
+        released_early = []
+        stream = engine.stream_predict(GenerationRequest(
+            request_id="r", prompt_token_ids=[1, 2, 3],
+            sampling=SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)))
+        stream.on_finish = lambda: released_early.append(not stream.finished)
+        tokens = [token for output in [o async for o in stream] for token in output.token_ids]
+        assert len(tokens) == 5 and released_early == [True]
+    finally:
+        await engine.unload_model()
+
+
+@pytest.mark.model
+async def test_the_native_engine_answers_as_it_does_in_process(embedded_model):
+    """Greedy text and ids, logprobs with their bytes, a JSON schema (its compiled grammar crosses
+    serialized) and a cancelled stream, on the embedded model, against the engine in process."""
+    schema = json.dumps({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
+    requests = [
+        pb.PredictRequest(prompt="The capital of France is", return_token_ids=True, logprobs=2,
+                          sampling=pb.SamplingParams(max_tokens=12, temperature=0)),
+        pb.PredictRequest(chat=pb.ChatInput(messages=[pb.ChatMessage(role="user", content="Name a city as JSON.")]),
+                          structured_output=pb.StructuredOutput(json_schema=schema),
+                          sampling=pb.SamplingParams(max_tokens=40, temperature=0)),
+    ]
+    answers = {}
+    for own in (False, True):
+        settings = {"engine.name": "native", "engine.model": str(embedded_model), "engine.own_process": str(own).lower()}
+        async with running_worker(**settings) as (worker, client):
+            answers[own] = []
+            for request in requests:
+                replies = await client.collect(request)
+                answers[own].append(("".join(r.text for r in replies), [i for r in replies for i in r.token_ids],
+                                     [(e.token_id, e.bytes, round(e.logprob, 3)) for r in replies for e in r.logprobs],
+                                     replies[-1].finish_reason, replies[-1].usage.completion_tokens))
+            call = client.inference.StreamPredict(pb.PredictRequest(
+                prompt="Count to a thousand:", sampling=pb.SamplingParams(max_tokens=2000, ignore_eos=True)))
+            await anext(aiter(call))
+            call.cancel()
+            load = await client.wait_idle()
+            assert (load.running, load.budget_tokens_used) == (0, 0)
+            for _ in range(100):  # the engine's count crosses with its next message
+                if worker.engine.num_unfinished() == 0:
+                    break
+                await asyncio.sleep(0.02)
+            assert worker.engine.num_unfinished() == 0
+            if own:
+                metrics = (await client.control.Metrics(pb.MetricsRequest())).text
+                assert 'cyllm_device_memory_used_bytes{device="cpu"}' in metrics or worker.engine.get_memory_usage() == {}
+    assert answers[True] == answers[False]
+    assert answers[True][0][2] and json.loads(answers[True][1][0])["city"]
+
+
+async def test_cache_events_and_early_release_cross_from_the_engine_s_process():
+    settings = {**SLOW, "engine.own_process": "true", "engine.args.prefix_cache_blocks": "64"}
+    async with running_worker(**settings) as (worker, client):
+        subscription = client.control.CacheEvents(pb.CacheEventsRequest())
+        snapshot = await anext(aiter(subscription))
+        assert snapshot.snapshot
+        prompt = " ".join(f"word{i}" for i in range(40))
+        await client.collect(synthetic_request(max_tokens=4, prompt=prompt))
+        batch = await asyncio.wait_for(anext(aiter(subscription)), 10)
+        assert batch.stored and batch.sequence == snapshot.sequence + 1
+        subscription.cancel()
+        # 20 requests through 8 slots: each slot comes back and is taken again while streams run.
+        replies = await asyncio.gather(*[client.collect(synthetic_request(max_tokens=10)) for _ in range(20)])
+        assert all(r[-1].usage.completion_tokens == 10 for r in replies)
+        assert (await client.wait_idle()).budget_tokens_used == 0
+
+
+async def test_a_deadline_and_a_bad_request_give_back_what_they_held():
+    async with running_worker(**SLOW, **{"engine.own_process": "true"}) as (worker, client):
+        status = await client.status_of(synthetic_request(max_tokens=1000), timeout=0.3)
+        assert status == grpc.StatusCode.DEADLINE_EXCEEDED
+        bad = synthetic_request(max_tokens=4)
+        bad.sampling.stop_token_ids.append(10**9)
+        assert await client.status_of(bad) == grpc.StatusCode.INVALID_ARGUMENT
+        load = await client.wait_idle()
+        assert (load.running, load.queued, load.budget_tokens_used) == (0, 0, 0)
+        assert await client.status_of(synthetic_request()) == grpc.StatusCode.OK
+
+
+def test_a_killed_engine_process_fails_every_stream_and_the_worker_exits(worker_process):
+    from tests.test_lifecycle import stream_in_thread
+
+    worker = worker_process(*SYNTHETIC, "--set", "engine.args.step_ms=10")
+    worker.wait_ready()
+    engine_pid, = children(worker.proc.pid)
+    streams = [{} for _ in range(3)]
+    threads = [stream_in_thread(worker.socket_path, 5000, results) for results in streams]
+    time.sleep(0.5)
+    os.kill(engine_pid, signal.SIGKILL)
+    for thread in threads:
+        thread.join(20)
+    assert [results["code"] for results in streams] == [grpc.StatusCode.UNAVAILABLE] * 3
+    assert all(results["responses"] for results in streams)
+    assert worker.wait(20) == 1
+    assert "engine process ended" in worker.log()
+
+
+def test_sigterm_drains_then_the_engine_s_process_ends_with_the_worker(worker_process):
+    from tests.test_lifecycle import stream_in_thread
+
+    worker = worker_process(*SYNTHETIC, "--set", "engine.args.step_ms=10")
+    worker.wait_ready()
+    engine_pid, = children(worker.proc.pid)
+    results: dict = {}
+    thread = stream_in_thread(worker.socket_path, 100, results)
+    time.sleep(0.3)
+    # As a terminal's Ctrl-C or a process group's SIGTERM reaches it: the worker decides.
+    os.kill(engine_pid, signal.SIGINT)
+    os.kill(engine_pid, signal.SIGTERM)
+    worker.signal(signal.SIGTERM)
+    thread.join(20)
+    assert results["code"] == grpc.StatusCode.OK and results["responses"][-1].usage.completion_tokens == 100
+    assert worker.wait(30) == 0
+    assert not alive(engine_pid)
+
+
+def test_a_load_that_fails_in_the_engine_s_process_is_reported_as_itself(worker_process):
+    worker = worker_process("--engine", "native", "--model", "/nonexistent/model", "--set", "engine.own_process=true")
+    assert worker.wait(120) == 3
+    assert "model failed to load" in worker.log() and "/nonexistent/model" in worker.log()
+
+
+def test_engines_with_processes_of_their_own_refuse_the_setting():
+    for name in ("vllm", "trtllm"):
+        with pytest.raises(ConfigError, match="engine.own_process"):
+            load_config(None, {"HOME": "/tmp"}, {"engine.name": name, "engine.own_process": "true",
+                                                   "server.socket": "/tmp/x.sock"})
