@@ -37,6 +37,7 @@ such step longer whatever the policy does (docs/benchmarks.md).
 
     python bench/fairness.py [--engine synthetic|native] [--device cpu|cuda] [--model NAME|FOLDER]
                              [--policies fcfs,vtc,...] [--seconds S] [--rounds N] [--seed 3]
+                             [--tenants 2,4] [--name FILE]
 """
 
 from __future__ import annotations
@@ -312,6 +313,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=3)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="native only")
     parser.add_argument("--model", help="native only: model name or folder (default the embedded model)")
+    parser.add_argument("--tenants", default="2,4", help="tenant counts to run (comma-separated)")
+    parser.add_argument("--name", help="the results' file name (default fairness[-ENGINE][-cuda])")
     parser.add_argument("--policies", default=",".join(POLICIES),
                         help="comma-separated, FCFS first (the ratios' base); alone runs with the last")
     options = parser.parse_args()
@@ -330,7 +333,7 @@ def main() -> int:
     if options.rounds:
         workload = dataclasses.replace(workload, rounds=options.rounds)
     rows = []
-    for count in (2, 4):
+    for count in [int(c) for c in options.tenants.split(",")]:
         for round_ in range(workload.rounds):
             for scenario in ("backlogged", "latency"):
                 for policy in options.policies:
@@ -345,8 +348,8 @@ def main() -> int:
               "workload": dataclasses.asdict(workload), "rows": runs, "summary": summary(rows, options.policies)}
     print(json.dumps(result["summary"], indent=1))
     RESULTS.mkdir(parents=True, exist_ok=True)
-    name = "fairness" if options.engine == "synthetic" else f"fairness-{options.engine}"
-    name += "-cuda" if options.device == "cuda" else ""
+    name = options.name or ("fairness" if options.engine == "synthetic" else f"fairness-{options.engine}")
+    name += "-cuda" if options.device == "cuda" and not options.name else ""
     (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(result, RESULTS / f"{name}.png")
     print(f"wrote {RESULTS / name}.json and {name}.png")
