@@ -161,10 +161,15 @@ class Host:
             self._stop.set()
 
     def _add(self, key: int, request: GenerationRequest) -> None:
-        if isinstance(request.grammar, str):
-            request.grammar = self.engine.grammars.deserialize(request.grammar)
-        self._adding = key
-        self.engine.stream_predict(request)
+        try:
+            if isinstance(request.grammar, str):
+                request.grammar = self.engine.grammars.deserialize(request.grammar)
+            self._adding = key
+            self.engine.stream_predict(request)
+        except Exception as exc:  # noqa: BLE001 - a bug must cost one request, not the engine
+            log.exception("request failed in the engine's process", request_id=request.request_id)
+            self.streams.pop(key, None)
+            self.post((key, FAIL, portable(exc)))
 
     def _after_admissions(self, callback: Callable[[], None]) -> None:
         """ThreadedEngine.after_admissions, where the admissions happen in the worker's process."""

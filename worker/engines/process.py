@@ -127,8 +127,8 @@ class ProcessEngine(BaseEngine):
             stream.fail(EngineDead("engine stopped"))
             return stream
         key = next(self._next_key)
+        self._send(("add", key, request))  # first: a request that does not pickle holds nothing
         self._streams[key], self._keys[id(stream)] = stream, key
-        self._send(("add", key, request))
         return stream
 
     def abort(self, stream: RequestStream) -> None:
@@ -162,7 +162,10 @@ class ProcessEngine(BaseEngine):
             except EOFError:
                 self._lost()
                 return
-            self._on_message(message)
+            try:
+                self._on_message(message)
+            except Exception:  # noqa: BLE001 - as a loop callback's would be: logged, and the next read
+                log.exception("an engine message failed", kind=message[0])
 
     def _on_message(self, message: tuple) -> None:
         kind = message[0]
