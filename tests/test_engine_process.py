@@ -76,6 +76,32 @@ async def test_a_slot_comes_back_at_the_launch_of_the_last_step_across_processes
 
 
 @pytest.mark.model
+async def test_the_wait_for_a_refilled_row_goes_through_the_worker(embedded_model):
+    """On CPU a step after one that ended a request waits (briefly) for the request admitted into
+    its slot (ThreadedEngine.after_admissions), so that it runs it. An end by a stop id is not known
+    when its step is launched, so no early release (`ending`) covers it: in its own process, the
+    engine's marker must come back through the worker after the admitted request was sent."""
+    settings = {"engine.name": "native", "engine.model": str(embedded_model), "engine.own_process": "true",
+                "resources.max_concurrency": 2}
+    greedy = {"temperature": 0.0}
+    async with running_worker(**settings) as (worker, client):
+        probe = await client.collect(synthetic_request(max_tokens=3, return_token_ids=True, sampling=greedy))
+        stop_id = [i for r in probe for i in r.token_ids][2]
+        sent, send = [], worker.engine._send
+        worker.engine._send = lambda message: (sent.append(message[0]), send(message))
+        long = asyncio.ensure_future(client.collect(synthetic_request(max_tokens=24, sampling=greedy)))
+        first = asyncio.ensure_future(client.collect(synthetic_request(
+            max_tokens=24, sampling={**greedy, "stop_token_ids": [stop_id]})))
+        while sent.count("add") < 2:
+            await asyncio.sleep(0.01)
+        replies = await asyncio.gather(long, first, client.collect(synthetic_request(max_tokens=4)))
+        assert replies[1][-1].finish_reason == pb.FINISH_REASON_STOP
+        assert [r[-1].usage.completion_tokens for r in replies[::2]] == [24, 4]
+        adds = [i for i, kind in enumerate(sent) if kind == "add"]
+        assert "sync" in sent and adds[2] < sent.index("sync"), sent
+
+
+@pytest.mark.model
 async def test_the_native_engine_answers_as_it_does_in_process(embedded_model):
     """Greedy text and ids, logprobs with their bytes, a JSON schema (its compiled grammar crosses
     serialized) and a cancelled stream, on the embedded model, against the engine in process."""

@@ -174,9 +174,14 @@ def build() -> None:
     with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
         run(*common, *find_links_context(tmp), "-t", IMAGE, str(REPO))
     run(*common, "--target", "sidecar", "-t", SIDECAR_IMAGE, str(REPO))
-    # Earlier builds' images, now untagged: only those carrying this project's label go.
-    run("podman", "image", "prune", "-f", "--filter", "label=org.opencontainers.image.title=cy-llm",
-        stdout=subprocess.DEVNULL)
+    # Earlier builds' images, now untagged: only those carrying this project's label go. Housekeeping
+    # only: a build killed midway leaves buildah's working containers holding its images, and then
+    # prune refuses (those are left for whoever ran that build; the images stay until then).
+    pruned = run("podman", "image", "prune", "-f", "--filter", "label=org.opencontainers.image.title=cy-llm",
+                 check=False, capture=True)
+    if pruned.returncode:
+        print(f"   not pruned: {pruned.stderr.strip().splitlines()[-1] if pruned.stderr.strip() else pruned.returncode}",
+              flush=True)
     for name in (IMAGE, SIDECAR_IMAGE):
         size = int(run("podman", "image", "inspect", "--format", "{{.Size}}", name, capture=True).stdout)
         timings[f"size {name} MB"] = round(size / 1e6)

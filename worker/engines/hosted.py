@@ -2,10 +2,10 @@
 its streams' outputs and its cache's changes go to the worker's process (process.py) as one message
 a wake-up of this process's event loop, with the engine's counters beside them.
 
-Messages are pickled tuples over a pipe. From the worker: ("add", key, request), ("abort", key),
-("warmup",), ("stop",). To it: ("loaded", front) or ("failed", error), ("warmed",) or ("failed",
-error), ("batch", events, counters), ("counters", counters, memory) every second, ("fatal", why),
-("stopped",). An event is (key, PUT, output), (key, ENDING, None), (key, FAIL, error), (None,
+Messages are pickled tuples over a Unix socket pair (Channel). From the worker, after the config:
+("add", key, request), ("abort", key), ("sync", n), ("warmup",), ("stop",). To it: ("loaded",
+front) or ("failed", error), ("warmed",) or ("failed", error), ("batch", events, counters),
+("counters", counters, memory) every second, ("fatal", why), ("stopped",). An event is (key, PUT, output), (key, ENDING, None), (key, FAIL, error), (None,
 CACHE, ("publish", changes) | ("stop", reason)) or (None, SYNC, n), which the worker answers with
 ("sync", n) once the requests admitted into the slots the events before it gave back are sent.
 """
@@ -80,7 +80,7 @@ class Channel:
 
 
 def portable(error: BaseException) -> BaseException:
-    """`error` if it crosses a pipe as itself, else an EngineDead naming it."""
+    """`error` if it crosses to the other process as itself, else an EngineDead naming it."""
     try:
         pickle.loads(pickle.dumps(error))
     except Exception:  # noqa: BLE001 - an exception whose __init__ does not take its args

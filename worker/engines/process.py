@@ -86,7 +86,8 @@ class ProcessEngine(BaseEngine):
         self._channel = await Channel.open(ours)
         self._stopping, self._dead = False, None
         self._reply = loop.create_future()
-        self._send(dataclasses.replace(self.config, engine=dataclasses.replace(self.config.engine, own_process="false")))
+        engine = dataclasses.replace(self.config.engine, own_process="false")  # there, the engine itself
+        self._send(dataclasses.replace(self.config, engine=engine))
         self._reader = asyncio.create_task(self._read())
         log.info("engine process started", engine=self.name, pid=self._process.pid)
         front = await self._reply
@@ -213,7 +214,7 @@ class ProcessEngine(BaseEngine):
         self._keys.pop(id(stream), None)
 
     def _lost(self) -> None:
-        """The pipe closed: the process exited (told to stop, or after a failed load) or died."""
+        """The socket closed: the process exited (told to stop, or after a failed load) or died."""
         if self._stopping or self._dead is not None:
             self._gone(EngineDead("engine stopped"))
             return
