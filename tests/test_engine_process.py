@@ -8,7 +8,6 @@ import asyncio
 import json
 import os
 import signal
-import time
 from pathlib import Path
 
 import grpc
@@ -178,7 +177,7 @@ def test_a_killed_engine_process_fails_every_stream_and_the_worker_exits(worker_
     engine_pid, = children(worker.proc.pid)
     streams = [{} for _ in range(3)]
     threads = [stream_in_thread(worker.socket_path, 5000, results) for results in streams]
-    time.sleep(0.5)
+    assert all(results["first"].wait(20) for results in streams)
     os.kill(engine_pid, signal.SIGKILL)
     for thread in threads:
         thread.join(20)
@@ -196,7 +195,7 @@ def test_sigterm_drains_then_the_engine_s_process_ends_with_the_worker(worker_pr
     engine_pid, = children(worker.proc.pid)
     results: dict = {}
     thread = stream_in_thread(worker.socket_path, 100, results)
-    time.sleep(0.3)
+    assert results["first"].wait(20)
     # As a terminal's Ctrl-C or a process group's SIGTERM reaches it: the worker decides.
     os.kill(engine_pid, signal.SIGINT)
     os.kill(engine_pid, signal.SIGTERM)

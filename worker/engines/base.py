@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import operator
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
@@ -109,6 +110,10 @@ class RequestStream:
         if self.finished and self._pending is None and self._error is None:
             raise StopAsyncIteration
         return await self.get()
+
+
+ENDING = operator.methodcaller("ending")
+"""stream.ending() as a callback posted to the loop (engines/threaded.py), whatever the stream's class."""
 
 
 def message_spacing(streams: int, max_messages_per_s: float, min_interval_s: float) -> float:

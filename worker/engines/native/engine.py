@@ -11,14 +11,13 @@ tokens are has that successor launched first, fed with its tokens on the device 
 from __future__ import annotations
 
 import itertools
-import operator
 import os
 import time
 
 import torch
 
 from worker.config import ConfigError
-from worker.engines.base import ModelInfo, RequestStream
+from worker.engines.base import ENDING, ModelInfo, RequestStream
 from worker.engines.detokenizer import OutputText
 from worker.engines.native import kernels as cpu_kernels
 from worker.engines.native.batcher import Batcher
@@ -40,7 +39,6 @@ from worker.telemetry import get_logger
 
 log = get_logger(__name__)
 GIB = 1 << 30
-ENDING = operator.methodcaller("ending")  # stream.ending(), also for a stream that forwards (hosted.py)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ARGS = {"block_size": 16, "max_num_batched_tokens": 2048, "max_num_seqs": 64, "gpu_memory_utilization": 0.9,
         "kv_cache_dtype": "auto", "enable_prefix_caching": True, "enforce_eager": False, "cpu_threads": 0,
