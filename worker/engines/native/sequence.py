@@ -255,8 +255,7 @@ def batch_of(scheduled: list[tuple[Sequence, int]], block_size: int, device: tor
     packed = np.zeros(3 * width + len(last), dtype=np.int64)
     packed[:3 * width].reshape(3, width)[:, :total] = np.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
     packed[3 * width:] = last
-    packed = torch.from_numpy(packed)
-    packed = packed.to(device, non_blocking=True) if device.type == "cuda" else packed
+    packed = on_device(packed, device)
     return Batch(
         input_ids=packed[:total], positions=packed[width:width + total], slots=packed[2 * width:2 * width + total],
         query_lens=query_lens, context_lens=context_lens, block_tables=tables, last_token_index=packed[3 * width:],
