@@ -133,3 +133,27 @@ def test_with_overlap_no_proposals_take_the_rows_of_a_prompt_that_joins():
         seq.blocks = BlockTable()
         blocks.grow(seq.blocks, len(seq.tokens))
         assert lanes.schedule()[0] == (seq, 5), "no prompt waits: the sequence proposes"
+
+
+def test_a_burst_of_short_prompts_beside_decodes_joins_within_the_pacers_time():
+    """Only a step's first prompt chunk gets MIN_CHUNK whatever the time: short prompts that
+    arrive together join as the pacer's target allows, not all at once beside the decodes."""
+    lanes = batcher(num_blocks=256, max_num_seqs=32)
+    running = [decoding(lanes, 9) for _ in range(2)]
+    burst = [prompt(range(10 * i, 10 * i + 7)) for i in range(1, 11)]
+    for seq in burst:
+        lanes.add(seq)
+    pacer = lanes.pacer
+    decodes = 2 * pacer.cost(1, 8)
+    # Measured so the target holds the decodes and three and a half 7-token prompts.
+    pacer.record(decodes + 3.5 * pacer.cost(7, 0), pacer.target_s, 16)
+    step = lanes.schedule()
+    assert step[:2] == [(seq, 1) for seq in running]
+    assert step[2:5] == [(seq, 7) for seq in burst[:3]]
+    assert step[5][0] is burst[3] and 0 < step[5][1] < 7  # a chunk of what is left: it goes on next step
+    assert lanes.running == [*running, *burst[:3]] and list(lanes.waiting) == burst[3:]
+    assert all(not seq.blocks.blocks for seq in burst[4:])  # waiting ones hold nothing
+    for seq, count in step:  # read, as the engine's _read counts them
+        seq.num_cached += count
+    step = lanes.schedule()  # the partial prompt goes on first
+    assert step[5] == (burst[3], 7 - burst[3].num_cached) and burst[3] in lanes.running

@@ -128,6 +128,7 @@ class Batcher:
         """Prefill chunks of waiting sequences into `scheduled`, oldest first, within `budget` tokens
         and the pacer; with `whole`, only whole prompts that it takes. False when the oldest one
         was refused by `whole` or the budget (not for want of blocks or slots)."""
+        first = True  # the step's first prompt chunk: the pacer gives it MIN_CHUNK at least
         while self.waiting and len(self.running) < self.max_num_seqs:
             if budget <= 0:
                 return whole is None
@@ -137,7 +138,12 @@ class Batcher:
                 seq.num_cached, queried = (0, 0) if seq.scores_prompt else self.blocks.match_prefix(seq.blocks, seq.tokens)
             left = len(seq.tokens) - seq.num_cached
             if whole is None:
-                chunk, refused = self.pacer.chunk(seq.num_cached, left, budget, self.step_flops), False
+                chunk, refused = self.pacer.chunk(seq.num_cached, left, budget, self.step_flops, first), False
+                if not chunk:  # the step is full by the pacer's time
+                    if starting:
+                        self.blocks.release(seq.blocks)
+                        seq.num_cached = 0
+                    return True
             else:
                 chunk = left
                 refused = seq.scores_prompt or chunk > budget or not whole(seq, chunk)
@@ -151,7 +157,7 @@ class Batcher:
                 self.prefix_hit_tokens += seq.num_cached
             self.blocks.grow(seq.blocks, seq.num_cached + chunk)
             scheduled.append((seq, chunk))
-            budget -= chunk
+            budget, first = budget - chunk, False
             self.step_flops += self.pacer.cost(chunk, seq.num_cached)
             if seq.num_cached + chunk == len(seq.tokens):
                 self.running.append(self.waiting.popleft())
