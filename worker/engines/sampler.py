@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from typing import Any, Protocol
@@ -170,11 +169,11 @@ if triton is not None:
         tl.store(out_ptr + row, tl.load(within_ptr + row * CHUNKS + first))
 
 
-def on_device(values: list | np.ndarray, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A list (or numpy array) as a tensor on `device` without waiting for it: on CUDA copied from
-    pinned memory. From pageable memory (torch.tensor(..., device=...), a list index) CUDA syncs the
-    stream before the copy, so the engine thread waited there for the forward it had just queued."""
-    host = torch.from_numpy(values) if isinstance(values, np.ndarray) else torch.tensor(values, dtype=dtype)
+def on_device(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A list as a tensor on `device` without waiting for it: on CUDA copied from pinned memory.
+    From pageable memory (torch.tensor(..., device=...), a list index) CUDA syncs the stream before
+    the copy, so the engine thread waited there for the forward it had just queued."""
+    host = torch.tensor(values, dtype=dtype)
     return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
 
 

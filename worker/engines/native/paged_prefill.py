@@ -15,8 +15,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from worker.engines.sampler import on_device
-
 try:
     import triton
     import triton.language as tl
@@ -41,9 +39,9 @@ def paged_prefill_meta(starts: list[int], query_lens: list[int], context_lens: l
     rows = packed[3 * part:].reshape(count, width)
     for row, table in zip(rows, tables):
         row[:len(table)] = table
-    meta = on_device(packed, device)
-    return (meta[:count], meta[part:part + count], meta[2 * part:2 * part + count],
-            meta[3 * part:].view(count, width), max(query_lens))
+    on_device = torch.from_numpy(packed).to(device, non_blocking=True)
+    return (on_device[:count], on_device[part:part + count], on_device[2 * part:2 * part + count],
+            on_device[3 * part:].view(count, width), max(query_lens))
 
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor, meta: tuple,

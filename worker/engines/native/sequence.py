@@ -255,7 +255,8 @@ def batch_of(scheduled: list[tuple[Sequence, int]], block_size: int, device: tor
     packed = np.zeros(3 * width + len(last), dtype=np.int64)
     packed[:3 * width].reshape(3, width)[:, :total] = np.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
     packed[3 * width:] = last
-    packed = on_device(packed, device)
+    packed = torch.from_numpy(packed)
+    packed = packed.to(device, non_blocking=True) if device.type == "cuda" else packed
     return Batch(
         input_ids=packed[:total], positions=packed[width:width + total], slots=packed[2 * width:2 * width + total],
         query_lens=query_lens, context_lens=context_lens, block_tables=tables, last_token_index=packed[3 * width:],
