@@ -52,9 +52,9 @@ class PrefillPacer:
     def chunk(self, cached: int, remaining: int, budget_tokens: int, step_flops: float, first: bool = True) -> int:
         """Tokens of a prompt with `cached` tokens in the cache and `remaining` to go that the
         step can take, given the FLOPs already in it and its token budget. Only a step's `first`
-        prompt chunk gets MIN_CHUNK whatever the time; a later one only what fits, maybe 0 (at
-        MIN_CHUNK each, 7 short prompts that arrived together joined 8 decodes in a step of 45 ms
-        on the 2-core CPU against 18 ms, whatever the target)."""
+        prompt chunk gets MIN_CHUNK whatever the time; a later one only what fits, maybe 0 (with
+        MIN_CHUNK for each, any number of prompts of up to 16 tokens that arrived together joined
+        one step, whatever the target)."""
         limit = min(remaining, budget_tokens)
         if not self.target_s or not self._measured:
             return limit
