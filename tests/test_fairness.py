@@ -242,6 +242,26 @@ async def test_burst_slots_start_a_light_tenant_above_the_limit_and_keep_the_flo
             scheduler.release(await task)
 
 
+async def test_burst_shares_count_the_tenants_with_work_not_every_one_seen_lately():
+    """Four tenants seen lately, two with work: a light tenant's share for the burst slots is half
+    the slots, not a quarter, and the flood, alone with work, still stays within the limit."""
+    scheduler = make(Fairness(burst_slots=3, recent_s=30.0), max_concurrency=8)
+    for tenant in ("a", "b", "c"):
+        scheduler.release(await scheduler.admit(10, tenant=tenant))
+    flood = [asyncio.create_task(scheduler.admit(10, tenant="flood")) for _ in range(12)]
+    await asyncio.sleep(0)
+    assert scheduler.tenant_running == {"flood": 8}, "alone with work, the flood takes no burst slot"
+    light = [asyncio.create_task(scheduler.admit(10, tenant="a")) for _ in range(3)]
+    await asyncio.sleep(0)
+    assert scheduler.tenant_running == {"flood": 8, "a": 3}, "a quarter of the slots would have started two"
+    for task in [*flood, *light]:
+        task.cancel()
+    for task in [*flood, *light]:
+        with contextlib.suppress(asyncio.CancelledError):
+            scheduler.release(await task)
+    assert scheduler.load() == make(max_concurrency=8).load() and not scheduler.tenant_running
+
+
 async def test_tenants_come_from_the_configured_key():
     fairness = Fairness(key="x-team")
     assert fairness.tenant_of({"x-team": "search"}) == "search"

@@ -226,12 +226,21 @@ class TaskScheduler:
         self._recent = max(1, len(self._seen.keys() | self.tenant_running.keys() | self._waiting.keys()))
 
     def _light(self, tenant: str) -> bool:
-        """Whether `tenant` runs fewer than its share of the slots among the tenants seen lately."""
-        return self.tenant_running[tenant] < self.max_concurrency / self._recent
+        """Whether `tenant` runs fewer than its share of the slots among the tenants seen lately;
+        with burst slots, among those with work now where they are fewer (two at least, so a
+        tenant alone with work does not take the burst slots between the others' requests).
+        Tenants seen lately with nothing running or waiting do not shrink a light one's share
+        then: three light tenants at 2 requests/s each beside a flood (2-core CPU, 6 burst slots)
+        got a TTFT p99 of 130 ms with a quarter of the slots each and 66 ms with this (55 with
+        the pool to themselves)."""
+        tenants = self._recent
+        if self.fairness.burst_slots:
+            tenants = min(tenants, max(2, len(self.tenant_running.keys() | self._waiting.keys())))
+        return self.tenant_running[tenant] < self.max_concurrency / tenants
 
     def _slots_for(self, tenant: str) -> int:
         """The running requests under which `tenant` may start one. A tenant running fewer than its
-        share of the slots, among the tenants seen lately, may go burst_slots above them; one that
+        share of the slots (_light) may go burst_slots above them; one that
         holds its share may fill them all but the headroom. So a light tenant between two requests
         keeps its share, and one alone, or tenants that all have work waiting, leave nothing idle."""
         if self._light(tenant):
