@@ -240,9 +240,9 @@ class TaskScheduler:
 
     def _slots_for(self, tenant: str) -> int:
         """The running requests under which `tenant` may start one. A tenant running fewer than its
-        share of the slots (_light) may go burst_slots above them; one that
-        holds its share may fill them all but the headroom. So a light tenant between two requests
-        keeps its share, and one alone, or tenants that all have work waiting, leave nothing idle."""
+        share of the slots (_light) may go burst_slots above them; one that holds its share may
+        fill them all but the headroom. So a light tenant between two requests keeps its share,
+        and one alone, or tenants that all have work waiting, leave nothing idle."""
         if self._light(tenant):
             return self.max_concurrency + self.fairness.burst_slots
         return self.max_concurrency - min(self.fairness.headroom_slots, self.max_concurrency - 1)

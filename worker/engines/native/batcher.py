@@ -138,16 +138,12 @@ class Batcher:
                 seq.num_cached, queried = (0, 0) if seq.scores_prompt else self.blocks.match_prefix(seq.blocks, seq.tokens)
             left = len(seq.tokens) - seq.num_cached
             if whole is None:
+                # 0 when the step is full by the pacer's time: the prompt waits, as for want of blocks
                 chunk, refused = self.pacer.chunk(seq.num_cached, left, budget, self.step_flops, first), False
-                if not chunk:  # the step is full by the pacer's time
-                    if starting:
-                        self.blocks.release(seq.blocks)
-                        seq.num_cached = 0
-                    return True
             else:
                 chunk = left
                 refused = seq.scores_prompt or chunk > budget or not whole(seq, chunk)
-            if refused or not self.blocks.can_grow(seq.blocks, seq.num_cached + chunk):
+            if refused or not chunk or not self.blocks.can_grow(seq.blocks, seq.num_cached + chunk):
                 if starting:  # a waiting sequence holds no blocks until it runs
                     self.blocks.release(seq.blocks)
                     seq.num_cached = 0
