@@ -23,8 +23,9 @@ tenants:
 Policies: fcfs, vtc, vtc+headroom (tenants.headroom_slots=3: the last three free slots go only to
 tenants holding less than their share, since admission cannot preempt a running request; three, so
 that three light tenants' requests in flight at once, as Poisson arrivals sometimes are, still start
-at once) and vtc+burst (tenants.burst_slots=3: three slots above the eight, only for those tenants,
-so the flood keeps all eight). Every round runs each policy once, in turn, so a shared machine's
+at once) and vtc+burst (tenants.burst_slots=3, or --burst-slots: slots above the eight, only for
+those tenants, so the flood keeps all eight; four tenants' lights at 2/s each have six in flight at
+times). Every round runs each policy once, in turn, so a shared machine's
 slow spell falls on all of them; throughput is the median over rounds of each round's ratio to FCFS.
 
 Tenants are named in PredictRequest.metadata (x-gateway-inference-fairness-id), as the sidecar
@@ -37,7 +38,7 @@ such step longer whatever the policy does (docs/benchmarks.md).
 
     python bench/fairness.py [--engine synthetic|native] [--device cpu|cuda] [--model NAME|FOLDER]
                              [--policies fcfs,vtc,...] [--seconds S] [--rounds N] [--seed 3]
-                             [--tenants 2,4] [--name FILE]
+                             [--tenants 2,4] [--burst-slots 3] [--name FILE]
 """
 
 from __future__ import annotations
@@ -79,6 +80,8 @@ class Workload:
     """Each light tenant's arrivals a second in the latency scenario."""
     seconds: float
     rounds: int
+    burst_slots: int = 3
+    """vtc+burst's tenants.burst_slots: size it for the light tenants' requests in flight at once."""
 
 
 WORKLOADS = {
@@ -88,7 +91,7 @@ WORKLOADS = {
 }
 POLICIES = {"fcfs": ("--set", "tenants.policy=fcfs"), "vtc": ("--set", "tenants.policy=vtc"),
             "vtc+headroom": ("--set", "tenants.policy=vtc", "--set", "tenants.headroom_slots=3"),
-            "vtc+burst": ("--set", "tenants.policy=vtc", "--set", "tenants.burst_slots=3")}
+            "vtc+burst": ("--set", "tenants.policy=vtc")}  # and tenants.burst_slots=Workload.burst_slots
 # --device cuda: the embedded model in bf16 on the GPU (CUDA graphs, launch-ahead), its steps ~10x
 # shorter than on a CPU, so the light tenants ask 4x as often (still far under their share) and
 # their p99 rests on more requests.
@@ -103,10 +106,11 @@ class Run:
     def __init__(self, policy: str, workload: Workload):
         self.dir = tempfile.mkdtemp(prefix="cyllm-fair-", dir="/tmp")
         self.socket = f"{self.dir}/w.sock"
+        burst = ("--set", f"tenants.burst_slots={workload.burst_slots}") if policy == "vtc+burst" else ()
         self.proc = subprocess.Popen(cy_llm(
             "serve", *workload.engine_args, "--socket", self.socket,
             "--set", "resources.max_concurrency=8", "--set", "resources.queue_timeout_s=300",
-            *POLICIES[policy], "--set", "server.log_level=warning"), cwd=REPO)
+            *POLICIES[policy], *burst, "--set", "server.log_level=warning"), cwd=REPO)
         wait_ready(self.socket, self.proc)
         self.records: list[list] = []
         self.prompt_tokens = 0  # every request's (one prompt), from a finished one's usage
@@ -188,7 +192,9 @@ def report(run: Run, started: float, seconds: float, tenants: list[str]) -> dict
     started_here = {t: sum(1 for tenant, _, f, _, _ in run.records if tenant == t and f is not None and window[0] <= f < window[1])
                     for t in tenants}
     service = {t: PROMPT_WEIGHT * run.prompt_tokens * started_here[t] + OUTPUT_WEIGHT * tokens[t] for t in tenants}
+    prompts = run.prompt_tokens * sum(started_here.values())
     return {"tokens_per_s": total / (window[1] - window[0]),
+            "processed_tokens_per_s": (total + prompts) / (window[1] - window[0]),
             "share": {t: tokens[t] / total if total else 0.0 for t in tenants},
             "service_share": {t: service[t] / sum(service.values()) if total else 0.0 for t in tenants},
             "prompt_tokens": run.prompt_tokens,
@@ -253,6 +259,9 @@ def summary(rows: list[dict], policies: list[str]) -> dict:
                 "throughput_vs_fcfs": statistics.median(r["tokens_per_s"] / fcfs[r["round"]]["tokens_per_s"]
                                                         for r in backlogged),
                 "throughput_vs_fcfs_rounds": [r["tokens_per_s"] / fcfs[r["round"]]["tokens_per_s"] for r in backlogged],
+                # Prompt tokens counted as served too: the fair mix's more numerous requests each pay one.
+                "processed_vs_fcfs": statistics.median(
+                    r["processed_tokens_per_s"] / fcfs[r["round"]]["processed_tokens_per_s"] for r in backlogged),
                 # With the light tenants under their share: what slots held for them cost the flood.
                 "latency_throughput_vs_fcfs": statistics.median(
                     r["tokens_per_s"] / fcfs_latency[r["round"]]["tokens_per_s"] for r in pick(policy, "latency")),
@@ -318,6 +327,7 @@ def main() -> int:
     parser.add_argument("--latency-rate", type=float,
                         help="each light tenant's arrivals a second in the latency scenario (synthetic 1, native 0.5, "
                              "--device cuda 2): more samples make the p99 more than the slowest of a few dozen")
+    parser.add_argument("--burst-slots", type=int, help="vtc+burst's tenants.burst_slots (default 3)")
     parser.add_argument("--policies", default=",".join(POLICIES),
                         help="comma-separated, FCFS first (the ratios' base); alone runs with the last")
     options = parser.parse_args()
@@ -337,6 +347,8 @@ def main() -> int:
         workload = dataclasses.replace(workload, rounds=options.rounds)
     if options.latency_rate:
         workload = dataclasses.replace(workload, latency_rate=options.latency_rate)
+    if options.burst_slots:
+        workload = dataclasses.replace(workload, burst_slots=options.burst_slots)
     rows = []
     for count in [int(c) for c in options.tenants.split(",")]:
         for round_ in range(workload.rounds):
