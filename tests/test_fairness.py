@@ -262,6 +262,33 @@ async def test_burst_shares_count_the_tenants_with_work_not_every_one_seen_latel
     assert scheduler.load() == make(max_concurrency=8).load() and not scheduler.tenant_running
 
 
+async def test_a_tenant_served_less_than_those_holding_their_share_takes_a_burst_slot_past_its_own():
+    """Four tenants with work, a share of two slots each: a light tenant's third request (Poisson
+    arrivals bring one now and then) starts at once while it has had less service than the
+    flood, which holds its eight; once it has had more, it waits like anyone at their share."""
+    scheduler = make(Fairness(burst_slots=6), max_concurrency=8)
+    flood = [asyncio.create_task(scheduler.admit(10, tenant="flood")) for _ in range(12)]
+    await asyncio.sleep(0)
+    others = [asyncio.create_task(scheduler.admit(10, tenant=t)) for t in ("b", "c", "a", "a")]
+    await asyncio.sleep(0)
+    assert scheduler.tenant_running == {"flood": 8, "b": 1, "c": 1, "a": 2}, "each one lifted to the flood's counter"
+    for grant in [task.result() for task in flood if task.done()]:
+        scheduler.served(grant, 10)  # the flood's eight rows make tokens while "a"'s two do
+    others.append(asyncio.create_task(scheduler.admit(10, tenant="a")))
+    await asyncio.sleep(0)
+    assert scheduler.tenant_running == {"flood": 8, "b": 1, "c": 1, "a": 3}
+    scheduler.served(others[-1].result(), 100)  # now "a" has had more than the flood
+    late = asyncio.create_task(scheduler.admit(10, tenant="a"))
+    await asyncio.sleep(0)
+    assert not late.done() and scheduler.tenant_running["a"] == 3 and scheduler.load().running == 13
+    for task in [*flood, *others, late]:
+        task.cancel()
+    for task in [*flood, *others, late]:
+        with contextlib.suppress(asyncio.CancelledError):
+            scheduler.release(await task)
+    assert scheduler.load() == make(max_concurrency=8).load() and not scheduler.tenant_running
+
+
 async def test_tenants_come_from_the_configured_key():
     fairness = Fairness(key="x-team")
     assert fairness.tenant_of({"x-team": "search"}) == "search"
