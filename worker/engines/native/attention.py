@@ -33,7 +33,10 @@ except ImportError:  # CPU installs have no Triton; the torch paths below serve 
 DECODE_STAGES = 2
 """The decode kernel's software pipeline: with PDL on an H100, 16 layers of the Llama-1B shape at batch 1
 took 3.0 / 6.1 / 8.8 us of attention a layer at contexts of 128 / 320 / 1024 tokens against 3.8 /
-7.0 / 9.5 with 3 stages (128-token tiles: 3.4 / 5.8 / 8.8)."""
+7.0 / 9.5 with 3 stages (128-token tiles: 3.4 / 5.8 / 8.8). Alone (a graph of 20 calls, no PDL),
+256-token tiles and 3 stages looked better at batch 1 (256 / 384 tokens: 4.5 / 6.3 us against
+5.9 / 8.1), but in the engine's graphs the step at batch 1 went from 1.072 to 1.081 ms and at 16
+from 1.375 to 1.361 (two rounds each): not kept."""
 SDPA_ON_CUDA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 """Not cuDNN's, which torch picks first on an H100: it builds a plan for every sequence length it
 has not seen, ~40 ms each (a 200-token prompt's first token took 60 ms against 7 when its length
