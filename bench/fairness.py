@@ -24,9 +24,9 @@ Policies: fcfs, vtc, vtc+headroom (tenants.headroom_slots=3: the last three free
 tenants holding less than their share, since admission cannot preempt a running request; three, so
 that three light tenants' requests in flight at once, as Poisson arrivals sometimes are, still start
 at once) and vtc+burst (tenants.burst_slots=3, or --burst-slots: slots above the eight, only for
-those tenants, so the flood keeps all eight; four tenants' lights at 2/s each have six in flight at
-times). Every round runs each policy once, in turn, so a shared machine's
-slow spell falls on all of them; throughput is the median over rounds of each round's ratio to FCFS.
+those tenants, so the flood keeps all eight; three light tenants at 2/s each have six in flight at
+times). Every round runs each policy once, in turn, so a shared machine's slow spell falls on all
+of them; throughput is the median over rounds of each round's ratio to FCFS.
 
 Tenants are named in PredictRequest.metadata (x-gateway-inference-fairness-id), as the sidecar
 forwards them. Writes bench/results/fairness.json and fairness.png (fairness-native.* for native).

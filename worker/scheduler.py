@@ -236,9 +236,9 @@ class TaskScheduler:
 
         Under VTC a tenant with fewer slots and less service than every tenant that holds its
         share is light too: VTC admits it first, and only the slots the others hold keep it out.
-        Poisson arrivals bring a light tenant's third request while two run (a tenant at 2/s,
-        ~9% of its requests); it waited for one of them to end (38-154 ms: the p99's tail, 96-116
-        ms against 71-72 with this) though it had less service than the flood."""
+        Poisson arrivals now and then bring a light tenant's third request while two run; it
+        waited for one of them to end (38-154 ms: the p99's tail, 96-116 ms against 71-72 with
+        this) though it had had less service than the flood."""
         tenants = self._recent
         if self.fairness.burst_slots:
             tenants = min(tenants, max(2, len(self.tenant_running.keys() | self._waiting.keys())))
