@@ -145,6 +145,12 @@ class Fairness:
         stats.prompt_tokens += prompt_tokens
         stats.generated_tokens += generated_tokens
 
+    def behind(self, tenant: str, others: list[str]) -> bool:
+        """Under VTC, whether `tenant` has had less service than each of `others`: VTC admits it
+        before any of them (FCFS ranks no one by service)."""
+        counter = self.counters.get(tenant, 0.0)
+        return self.policy == "vtc" and all(counter < self.counters.get(t, 0.0) for t in others)
+
     def order(self, tenant: str, priority: int, sequence: int) -> tuple:
         """The sort key of a tenant's oldest waiting request: lowest goes first."""
         if self.policy == "fcfs":

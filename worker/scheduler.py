@@ -242,15 +242,14 @@ class TaskScheduler:
         tenants = self._recent
         if self.fairness.burst_slots:
             tenants = min(tenants, max(2, len(self.tenant_running.keys() | self._waiting.keys())))
-        share = self.max_concurrency / tenants
-        if self.tenant_running[tenant] < share:
+        share, running = self.max_concurrency / tenants, self.tenant_running[tenant]
+        if running < share:
             return True
-        if not self.fairness.burst_slots or self.fairness.policy != "vtc":
+        if not self.fairness.burst_slots:
             return False
-        running, counter = self.tenant_running[tenant], self.fairness.counters.get(tenant, 0.0)
         holding = [t for t, n in self.tenant_running.items() if n >= share and t != tenant]
-        return bool(holding) and all(running < self.tenant_running[t] and counter < self.fairness.counters.get(t, 0.0)
-                                     for t in holding)
+        return (bool(holding) and all(running < self.tenant_running[t] for t in holding)
+                and self.fairness.behind(tenant, holding))
 
     def _slots_for(self, tenant: str) -> int:
         """The running requests under which `tenant` may start one. A tenant running fewer than its
