@@ -213,7 +213,10 @@ def _decode_triton(q, k_cache, v_cache, tables, lens, block_size):
     partial = [torch.empty(batch, kv_heads, splits, group_pad, *extra, device=q.device, dtype=torch.float32)
                for extra in ((), (), (dim,))] if splits > 1 else [out] * 3
     early = pdl.supported(q.device)
-    _decode_kernel[(batch, kv_heads, splits)](
+    # KV heads first: a sequence's heads run side by side, reading each token's K/V row (all its
+    # heads) together. At batch 256 on an H100 that took 52.7 us a layer to 50.4 (256-token
+    # contexts), 191.8 to 186.5 (1,024); batch 16, 6.6 to 6.4.
+    _decode_kernel[(kv_heads, batch, splits)](
         q, k_cache, v_cache, out, tables, lens, dim ** -0.5, *partial, _arrivals(q.device) if splits > 1 else lens,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), tables.stride(0),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=dim, BLOCK=block_size,
@@ -275,8 +278,8 @@ if triton is not None:
         and the last part to finish combines them: in one kernel, a context too short to split
         costs no second launch."""
         pdl.wait_for_previous(PDL)
-        seq = tl.program_id(0)
-        kv_head = tl.program_id(1)
+        kv_head = tl.program_id(0)
+        seq = tl.program_id(1)
         split = tl.program_id(2)
         length = tl.load(lens_ptr + seq)
         num_tiles = tl.cdiv(length, TILE)
@@ -322,15 +325,15 @@ if triton is not None:
                 tl.store(out_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :],
                          result.to(out_ptr.dtype.element_ty), mask=(g < GROUP)[:, None])
         else:
-            part = ((seq * tl.num_programs(1) + kv_head) * SPLITS + split) * GROUP_PAD
+            part = ((seq * tl.num_programs(0) + kv_head) * SPLITS + split) * GROUP_PAD
             tl.store(max_ptr + part + g, m)
             tl.store(total_ptr + part + g, total)
             tl.store(acc_ptr + (part + g[:, None]) * HEAD_DIM + d[None, :], acc)
-            arrival = arrivals_ptr + seq * tl.num_programs(1) + kv_head
+            arrival = arrivals_ptr + seq * tl.num_programs(0) + kv_head
             tl.debug_barrier()  # every thread's stores before the release of the arrival
             if tl.atomic_add(arrival, 1, sem="acq_rel") == SPLITS - 1:  # the others' stores are visible now
                 tl.debug_barrier()
-                _combine(max_ptr, total_ptr, acc_ptr, out_ptr, seq, kv_head, tl.num_programs(1), stride_qt, stride_qh,
+                _combine(max_ptr, total_ptr, acc_ptr, out_ptr, seq, kv_head, tl.num_programs(0), stride_qt, stride_qh,
                          GROUP, GROUP_PAD, HEAD_DIM, SPLITS)
                 tl.atomic_xchg(arrival, 0)
 
