@@ -95,7 +95,7 @@ class NativeEngine(ThreadedEngine):
         cores = len(os.sched_getaffinity(0))
         torch.set_num_threads(cores)  # packing the weights for oneDNN (CPU) takes most of the load
         try:
-            self.model = load_model(folder, dtype, self.device, self.quantization)
+            self.model = load_model(folder, dtype, self.device, self.quantization, engine.max_model_len)
         except ValueError as exc:
             raise ConfigError("engine.model", str(exc)) from exc
         if self.device.type == "cpu":

@@ -266,6 +266,7 @@ class LlamaModel(nn.Module):
         # On the CPU even when built on meta: a meta arange and division import torch's Python
         # references (0.5-1 s of startup), and a meta buffer would hold no values.
         self.register_buffer("inv_freq", rope_frequencies(config), persistent=False)
+        self.rotations: torch.Tensor | None = None  # set by cache_rotations()
         self.decode_weights: kernels.LayerWeights | None = None  # set by gather_decode_weights()
 
     @torch.inference_mode()
@@ -275,9 +276,7 @@ class LlamaModel(nn.Module):
         if batch.prefills is None:
             batch.prepare(self.config.head_dim)
         x = self.embed_tokens(batch.input_ids)
-        freqs = batch.positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(x.dtype)[:, None, :], emb.sin().to(x.dtype)[:, None, :]
+        cos, sin = self.rotations.index_select(1, batch.positions)[:, :, None, :]  # each (T, 1, D)
         if self.decode_weights is not None and not batch.prefills and not batch.fresh:
             x, residual = kernels.decode_layers(x, self.decode_weights, k_caches, v_caches, cos, sin, batch.slots,
                                                 batch.decode_tables, batch.decode_lens, batch.block_size)
@@ -289,6 +288,15 @@ class LlamaModel(nn.Module):
             x, residual = x[batch.last_token_index], residual[batch.last_token_index]
         # Not the norm inside the LM head's kernel: its 16k programs would each read the whole row.
         return self.lm_head(self.norm.add(x, residual)[1])
+
+    def cache_rotations(self, positions: int) -> None:
+        """The rotary embedding's cos and sin for every position below `positions`, (2, positions, D)
+        in the model's dtype, computed as HF computes them (fp32 on the model's device, then rounded):
+        a step picks its rows in one kernel. Computed at each step, they took seven (~12 us of a
+        CUDA graph's step)."""
+        freqs = torch.arange(positions, dtype=torch.float32, device=self.inv_freq.device)[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.rotations = torch.stack((emb.cos(), emb.sin())).to(self.embed_tokens.weight.dtype)
 
     def gather_decode_weights(self) -> None:
         """On CPUs with the kernels built and every linear layer laid out by linear.py: all-decode
@@ -346,9 +354,11 @@ def merge_projections(state: dict[str, torch.Tensor], num_layers: int) -> None:
                     state[f"layers.{layer}.{module}{merged}.{kind}"] = torch.cat([state.pop(key) for key in keys])
 
 
-def load_model(folder: Path, dtype: torch.dtype, device: torch.device, quantization: str = "none") -> LlamaModel:
+def load_model(folder: Path, dtype: torch.dtype, device: torch.device, quantization: str = "none",
+               max_positions: int = 0) -> LlamaModel:
     """Weights from the folder's safetensors files (any dtype), cast to `dtype` on `device`;
-    quantization "int4": the linear layers' weights in 4 bits (CPU, bf16)."""
+    quantization "int4": the linear layers' weights in 4 bits (CPU, bf16). Positions run up to
+    `max_positions` (0: the model's max_position_embeddings)."""
     from safetensors.torch import load_file
 
     config = ModelConfig.from_folder(folder)
@@ -374,6 +384,7 @@ def load_model(folder: Path, dtype: torch.dtype, device: torch.device, quantizat
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model = model.to(device).eval()
+    model.cache_rotations(max_positions or config.max_position_embeddings)
     if device.type == "cpu" and kernels.loaded():
         model.ops.use_cpu_kernels()
     if device.type == "cuda" and triton is not None:
