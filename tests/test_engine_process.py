@@ -103,7 +103,8 @@ async def test_the_wait_for_a_refilled_row_goes_through_the_worker(embedded_mode
 @pytest.mark.model
 async def test_the_native_engine_answers_as_it_does_in_process(embedded_model):
     """Greedy text and ids, logprobs with their bytes, a JSON schema (its compiled grammar crosses
-    serialized) and a cancelled stream, on the embedded model, against the engine in process."""
+    serialized), a stop string and a cancelled stream, on the embedded model, against the engine in
+    process. Text without stop strings is made in the worker's process (BaseEngine.leaves_text)."""
     schema = json.dumps({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
     requests = [
         pb.PredictRequest(prompt="The capital of France is", return_token_ids=True, logprobs=2,
@@ -111,6 +112,8 @@ async def test_the_native_engine_answers_as_it_does_in_process(embedded_model):
         pb.PredictRequest(chat=pb.ChatInput(messages=[pb.ChatMessage(role="user", content="Name a city as JSON.")]),
                           structured_output=pb.StructuredOutput(json_schema=schema),
                           sampling=pb.SamplingParams(max_tokens=40, temperature=0)),
+        pb.PredictRequest(prompt="Paris is a city. London is", sampling=pb.SamplingParams(max_tokens=30, temperature=0,
+                                                                                          stop=["."])),
     ]
     answers = {}
     for own in (False, True):
@@ -134,10 +137,12 @@ async def test_the_native_engine_answers_as_it_does_in_process(embedded_model):
                 await asyncio.sleep(0.02)
             assert worker.engine.num_unfinished() == 0
             if own:
+                assert worker.engine.front.tokenizer is not None and worker.engine._eos_ids  # it makes the text
                 metrics = (await client.control.Metrics(pb.MetricsRequest())).text
                 assert 'cyllm_device_memory_used_bytes{device="cpu"}' in metrics or worker.engine.get_memory_usage() == {}
     assert answers[True] == answers[False]
     assert answers[True][0][2] and json.loads(answers[True][1][0])["city"]
+    assert answers[True][2][3] == pb.FINISH_REASON_STOP and "." not in answers[True][2][0]
 
 
 async def test_cache_events_and_early_release_cross_from_the_engine_s_process():

@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from worker.engines.detokenizer import IncrementalDetokenizer, StopStrings
+from worker.engines.detokenizer import IncrementalDetokenizer, OutputText, StopStrings
 from worker.engines.sampler import Draws, argmax, make_generator, sample
 from worker.request import SamplingParams
 
@@ -43,6 +43,25 @@ def test_detokenizer_never_splits_a_character():
     assert "".join(deltas) == text
     assert all("\ufffd" not in d for d in deltas)
     assert sum(1 for d in deltas if d) > 5
+
+
+@pytest.mark.parametrize("end", ["stop", "length"])
+def test_text_left_to_the_reader_is_the_text_made_in_place(end):
+    """An engine in its own process leaves a request's text to the worker (process.py): its
+    OutputText gives the finish reasons and no text, and the worker's, over the same messages,
+    the text the engine would have made, characters cut across messages included."""
+    eos = 0
+    ids = list("héllo 🙂 世界!".encode()) + ([eos] if end == "stop" else [])
+    messages = [ids[:2], ids[2:3], ids[3:8], ids[8:13], ids[13:]]  # cuts inside é, 🙂 and 世
+    in_place, left, reader = (OutputText(ByteTokenizer(), list(b"> "), (), frozenset({eos}), render=render)
+                              for render in (True, False, True))
+    for index, chunk in enumerate(messages):
+        at_limit = index == len(messages) - 1 and end == "length"
+        text, finish, taken = in_place.add_all(chunk, (), False, at_limit)
+        assert left.add_all(chunk, (), False, at_limit) == ("", finish, taken)
+        assert reader.add_all(chunk, (), False, finish == "length")[0] == text
+    assert finish == end
+    assert OutputText(ByteTokenizer(), [], ("!",), frozenset(), render=False).render  # stop strings need the text
 
 
 @pytest.mark.model

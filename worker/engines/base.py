@@ -136,6 +136,11 @@ class BaseEngine(ABC):
     renders_tools = True
     speculates = False  # whether requests may ask for speculative decoding (native: unless configured off)
     paces_messages = False  # whether it spaces each stream's outputs by server.max_messages_per_s itself
+    # Whether it can leave the text of requests with no stop strings to whoever reads its streams
+    # (their outputs then carry token ids only), and whether it does: set in an engine's own
+    # process (hosted.py), whose worker side renders them (process.py).
+    can_leave_text = False
+    leaves_text = False
 
     def __init__(self, config: Config, on_fatal: Callable[[BaseException], None] | None = None):
         self.config = config

@@ -108,10 +108,15 @@ class StopStrings:
 
 
 class OutputText:
-    """One request's generated text: detokenized, cut at stop strings, finished by EOS, stop ids or length."""
+    """One request's generated text: detokenized, cut at stop strings, finished by EOS, stop ids or length.
 
-    def __init__(self, tokenizer: Any, prompt_ids: list[int], stops: tuple[str, ...], eos_ids: frozenset[int]):
-        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)
+    `render` False (no stop strings only): add_all gives the finish reason and no text, which
+    whoever reads the outputs renders from their ids with an OutputText of its own (process.py)."""
+
+    def __init__(self, tokenizer: Any, prompt_ids: list[int], stops: tuple[str, ...], eos_ids: frozenset[int],
+                 render: bool = True):
+        self.render = render or bool(stops)  # stop strings are found in the text, so it is made here
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids) if self.render else None
         self.stops = StopStrings(stops)
         self.eos_ids = eos_ids
 
@@ -139,6 +144,10 @@ class OutputText:
         many of the tokens count (a stop string drops those after it). Only the last can be a stop
         id or EOS (the engine ends a sequence there), so without stop strings the others go
         straight to the detokenizer."""
+        if not self.render:  # only the last can end it, as below
+            if self.is_stop_token(tokens[-1], stop_token_ids, ignore_eos):
+                return "", "stop", len(tokens)
+            return "", "length" if at_limit else None, len(tokens)
         texts, start = [], 0
         if not self.stops.stops:
             add = self.detokenizer.add

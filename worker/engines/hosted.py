@@ -97,6 +97,7 @@ class Host:
         self.channel = channel
         self.engine: BaseEngine = create_engine(config, self._on_fatal)
         self.engine.make_stream = self._stream
+        self.engine.leaves_text = self.engine.can_leave_text  # the worker's process renders it
         if self.engine.events is not None:
             self.engine.events.forward = lambda call: self.post((None, CACHE, call))
         if hasattr(self.engine, "after_admissions"):  # a ThreadedEngine
@@ -122,6 +123,7 @@ class Host:
         self.channel.send(("loaded", {
             "info": engine.info, "tokenizer": engine.tokenizer, "speculates": engine.speculates,
             "kv_budget_tokens": engine.kv_budget_tokens(),
+            "leaves_text": engine.eos_ids if engine.leaves_text else None,
             "grammars": (grammars.vocab_size, grammars.stop_ids) if grammars is not None else None}))
         tasks = [asyncio.create_task(self._report()), asyncio.create_task(self._read())]
         try:

@@ -28,9 +28,10 @@ from typing import Any
 from worker.config import Config
 from worker.engines import hosted
 from worker.engines.base import BaseEngine, Capabilities, ModelInfo, RequestStream
+from worker.engines.detokenizer import OutputText
 from worker.engines.hosted import CACHE, ENDING, FAIL, PUT, SYNC, Channel
 from worker.errors import EngineDead
-from worker.request import GenerationRequest
+from worker.request import GenerationRequest, SamplingParams
 from worker.telemetry import get_logger
 
 log = get_logger(__name__)
@@ -49,6 +50,10 @@ class ProcessEngine(BaseEngine):
         self._reader: asyncio.Task | None = None
         self._streams: dict[int, RequestStream] = {}  # key -> the request's stream, while open
         self._keys: dict[int, int] = {}  # id(stream) -> key
+        # key -> the text of a request the engine leaves to this side (BaseEngine.leaves_text), and
+        # its sampling; eos ids: the engine's, when it leaves text (else None).
+        self._texts: dict[int, tuple[OutputText, SamplingParams]] = {}
+        self._eos_ids: frozenset[int] | None = None
         self._next_key = itertools.count()
         self._reply: asyncio.Future | None = None  # what load, warm-up and stop wait for
         self._kv_budget_tokens = 0
@@ -94,6 +99,7 @@ class ProcessEngine(BaseEngine):
         hosted.front_of(self.front, front)
         self.info, self.tokenizer = self.front.info, self.front.tokenizer
         self._kv_budget_tokens = front["kv_budget_tokens"]
+        self._eos_ids = front["leaves_text"]
         return self.info
 
     async def warmup(self) -> None:
@@ -130,6 +136,9 @@ class ProcessEngine(BaseEngine):
         key = next(self._next_key)
         self._send(("add", key, request))  # first: a request that does not pickle holds nothing
         self._streams[key], self._keys[id(stream)] = stream, key
+        params = request.sampling
+        if self._eos_ids is not None and not params.stop:
+            self._texts[key] = OutputText(self.tokenizer, request.prompt_token_ids, (), self._eos_ids), params
         return stream
 
     def abort(self, stream: RequestStream) -> None:
@@ -189,6 +198,10 @@ class ProcessEngine(BaseEngine):
         for key, kind, payload in events:
             if kind == PUT:
                 if (stream := streams.get(key)) is not None:
+                    if payload.token_ids and (text := self._texts.get(key)) is not None:
+                        renderer, params = text
+                        payload.text = renderer.add_all(payload.token_ids, params.stop_token_ids, params.ignore_eos,
+                                                        payload.finish_reason == "length")[0]
                     stream.put(payload)
                     if payload.finish_reason is not None:
                         self._forget(key)
@@ -212,6 +225,7 @@ class ProcessEngine(BaseEngine):
     def _forget(self, key: int) -> None:
         stream = self._streams.pop(key)
         self._keys.pop(id(stream), None)
+        self._texts.pop(key, None)
 
     def _lost(self) -> None:
         """The socket closed: the process exited (told to stop, or after a failed load) or died."""
@@ -240,6 +254,7 @@ class ProcessEngine(BaseEngine):
             stream.fail(error)
         self._streams.clear()
         self._keys.clear()
+        self._texts.clear()
         self._counters = (0, self.last_step_at, *self._counters[2:])
 
 
