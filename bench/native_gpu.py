@@ -3,12 +3,14 @@
 For each model shape (random weights, default RoPE; a word-level tokenizer of the shape's vocabulary):
 1. equivalence (first shape, fp32): greedy ids of the native engine (CUDA graphs, Triton decode)
    against HF's forward for prompts one by one and batched with a shared prefix; one step's logits;
-2. throughput, bf16, 128 prompt / 256 new tokens at each batch: the native engine (all requests
-   submitted at once) and HF `generate` (eager, static batch); time from start to ready;
+2. throughput, bf16, 128 prompt / 256 new tokens at each batch: the native engine as the worker
+   makes it (on CUDA in its own process; all requests submitted at once) and HF `generate` (eager,
+   static batch); time from start to ready;
 3. a step-time model (bench/gpu_roofline.py) at every batch: the decode step's lower bound from its
    weight + KV bytes and its FLOPs against the measured copy bandwidth and bf16 matmul rate, each run
-   as a fraction of it, and the batch's prefill (timed alone) as a fraction of the matmul rate; the decode steps
-   at each batch under the torch profiler (device time by kernel, the host's gaps); and the
+   as a fraction of it, and the batch's prefill (timed alone, the engine in this process) as a
+   fraction of the matmul rate; the decode steps at each batch under the torch profiler, the engine
+   in this process (device time by kernel, the host's gaps); and the
    decode-attention kernel alone, contexts split in parts and not, by context length;
 4. prefix sharing (first shape): 64 requests after one 1,024-token system prompt, cache on and off.
 
@@ -39,7 +41,10 @@ sys.path.insert(0, str(REPO))
 
 from bench.gpu_roofline import DecodeProfile, StepModel, copy_bandwidth, matmul_peak  # noqa: E402
 from bench.structured import machine  # noqa: E402
+from worker.config import Config  # noqa: E402
 from worker.config_loader import load_config  # noqa: E402
+from worker.engines.base import BaseEngine  # noqa: E402
+from worker.engines.factory import create_engine, runs_in_own_process  # noqa: E402
 from worker.engines.native.engine import NativeEngine  # noqa: E402
 from worker.loadgen import percentile  # noqa: E402
 from worker.request import GenerationRequest, SamplingParams  # noqa: E402
@@ -76,15 +81,26 @@ def make_folder(shape: dict, dtype: torch.dtype, folder: Path):
 
 
 def engine_for(folder: Path, dtype: str, **args) -> NativeEngine:
+    """The native engine in this process (its model and counters at hand, its kernels under this
+    process's profiler)."""
+    return NativeEngine(bench_config(folder, dtype, args))
+
+
+def worker_engine(folder: Path, dtype: str) -> BaseEngine:
+    """The engine as the worker makes it from the same config: on CUDA in its own process
+    (engine.own_process auto), which leaves the text to this one (BaseEngine.leaves_text)."""
+    return create_engine(bench_config(folder, dtype, {}))
+
+
+def bench_config(folder: Path, dtype: str, args: dict) -> Config:
     # Plain decoding: speculation (bench/speculation.py) would change what a step is.
     engine_args = {"max_num_seqs": 256, "max_num_batched_tokens": 8192, "speculation": "requested", **args}
-    config = load_config(None, {"HOME": "/tmp"}, {
+    return load_config(None, {"HOME": "/tmp"}, {
         "engine.name": "native", "engine.model": str(folder), "engine.dtype": dtype,
         "engine.args": json.dumps(engine_args)})
-    return NativeEngine(config)
 
 
-async def run_requests(engine: NativeEngine, prompts: list[list[int]], new_tokens: int,
+async def run_requests(engine: BaseEngine, prompts: list[list[int]], new_tokens: int,
                        profile: DecodeProfile | None = None) -> dict:
     """All prompts submitted at once; tokens/s over the whole run and TTFT per request. `profile`
     is read from the last first token to the end: the decode steps alone."""
@@ -254,7 +270,8 @@ async def throughput(name: str, shape: dict, batches: list[int], work: Path, ban
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
     started = time.perf_counter()
-    engine = engine_for(folder, "bfloat16")
+    engine = worker_engine(folder, "bfloat16")
+    row["engine_in_own_process"] = runs_in_own_process(engine.config)
     await engine.load_model()
     row["native_ready_s"] = time.perf_counter() - started
     gc.collect()
@@ -276,36 +293,53 @@ async def throughput(name: str, shape: dict, batches: list[int], work: Path, ban
                 runs[-1].pop("outputs")
             all_runs = [r["tokens_per_s"] for r in runs]
             result = {**sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2], "runs_tokens_per_s": all_runs}
-            # The step model at the decode's mean context, and the prefill of the whole batch: timed
-            # alone (one token each, median of 3), as in the run above the last prompts' chunks
-            # share steps with the first ones' decodes.
+            # The step model at the decode's mean context.
             decode = model.decode(batch, PROMPT + NEW / 2)
-            prefill = model.prefill(batch, PROMPT)
-            alone = sorted([(await run_requests(engine, [[rng.randrange(2, shape["vocab_size"]) for _ in range(PROMPT)]
-                                                          for _ in range(batch)], 1))["ttft_ms_max"] for _ in range(3)])[1]
             result["decode_bound"] = {**decode, "of_bound": decode["bound_ms"] / result["decode_step_ms"]}
-            result["prefill_bound"] = {**prefill, "prefill_alone_ms": alone, "of_peak": prefill["bound_ms"] / alone,
-                                       "of_peak_with_decodes": prefill["bound_ms"] / result["ttft_ms_max"]}
             row["native"][batch] = result
             print(f"  {name} native batch {batch}: {result['tokens_per_s']:8.0f} tok/s (HF "
                   f"{row['hf_generate'][batch]:.0f}), TTFT p50 {result['ttft_ms_p50']:.0f} ms; runs "
                   f"{', '.join(f'{t:.0f}' for t in all_runs)}; decode step {result['decode_step_ms']:.3f} ms = "
                   f"{result['decode_bound']['of_bound']:.0%} of its {decode['bound_by']} bound "
-                  f"{decode['bound_ms']:.3f} ms; prefill of {prefill['tokens']} tokens alone {alone:.1f} ms = "
-                  f"{result['prefill_bound']['of_peak']:.0%} of the matmul peak (beside decodes "
-                  f"{result['ttft_ms_max']:.1f} ms)", flush=True)
-            if DEVICE == "cuda":
-                prompts = [[rng.randrange(2, shape["vocab_size"]) for _ in range(PROMPT)] for _ in range(batch)]
-                steps = (await run_requests(engine, prompts, 64, DecodeProfile()))["decode_profile"]
-                row["profile"][batch] = steps
-                print(f"  {name} decode profile batch {batch}: {steps['wall_ms_per_step']:.3f} ms a step, device busy "
-                      f"{steps['device_busy_ms_per_step']:.3f}, {steps['kernels_per_step']:.0f} kernels: " + "; ".join(
-                          f"{k['kernel'][:32]} {k['ms_per_step']:.3f}" for k in steps["top"][:6]), flush=True)
+                  f"{decode['bound_ms']:.3f} ms", flush=True)
     finally:
         await engine.unload_model()
+    await in_process(name, folder, shape["vocab_size"], row, model)
     if prefix:
         row["prefix_sharing"] = await prefix_sharing(folder, shape["vocab_size"])
     return row
+
+
+async def in_process(name: str, folder: Path, vocab: int, row: dict, model: StepModel) -> None:
+    """What needs the engine in this process, at each batch of row["native"]: the prefill of the
+    whole batch timed alone (one token each, median of 3: in the decode runs the last prompts'
+    chunks share steps with the first ones' decodes, and through a process of its own the prompts
+    arrive over several steps), and on CUDA the decode steps under the torch profiler (device time
+    by kernel, the host's gaps; it sees no other process's kernels)."""
+    engine = engine_for(folder, "bfloat16")
+    await engine.load_model()
+    rng = random.Random(4)
+    try:
+        for batch, result in row["native"].items():
+            def prompts() -> list[list[int]]:
+                return [[rng.randrange(2, vocab) for _ in range(PROMPT)] for _ in range(batch)]
+
+            await run_requests(engine, prompts(), 16)
+            alone = sorted([(await run_requests(engine, prompts(), 1))["ttft_ms_max"] for _ in range(3)])[1]
+            prefill = model.prefill(batch, PROMPT)
+            result["prefill_bound"] = {**prefill, "prefill_alone_ms": alone, "of_peak": prefill["bound_ms"] / alone,
+                                       "of_peak_with_decodes": prefill["bound_ms"] / result["ttft_ms_max"]}
+            print(f"  {name} prefill of {prefill['tokens']} tokens alone {alone:.1f} ms = "
+                  f"{result['prefill_bound']['of_peak']:.0%} of the matmul peak (beside decodes "
+                  f"{result['ttft_ms_max']:.1f} ms)", flush=True)
+            if DEVICE != "cuda":
+                continue
+            steps = row["profile"][batch] = (await run_requests(engine, prompts(), 64, DecodeProfile()))["decode_profile"]
+            print(f"  {name} decode profile batch {batch}: {steps['wall_ms_per_step']:.3f} ms a step, device busy "
+                  f"{steps['device_busy_ms_per_step']:.3f}, {steps['kernels_per_step']:.0f} kernels: " + "; ".join(
+                      f"{k['kernel'][:32]} {k['ms_per_step']:.3f}" for k in steps["top"][:6]), flush=True)
+    finally:
+        await engine.unload_model()
 
 
 def plot(result: dict, path: Path) -> None:
