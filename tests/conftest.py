@@ -258,6 +258,10 @@ class SidecarProcess(LoggedProcess):
         return f"http://127.0.0.1:{self.http_port}"
 
     def wait_ready(self, timeout: float = 60.0) -> None:
+        self.wait_readyz({200}, timeout)
+
+    def wait_readyz(self, statuses: set[int], timeout: float = 60.0) -> int:
+        """Polls /readyz until it answers one of `statuses` (200: ready; 503: listening, not ready)."""
         import urllib.error
         import urllib.request
 
@@ -267,12 +271,15 @@ class SidecarProcess(LoggedProcess):
                 raise RuntimeError(f"sidecar exited {self.proc.returncode}:\n{self.log()}")
             try:
                 with urllib.request.urlopen(f"{self.http}/readyz", timeout=1) as reply:
-                    if reply.status == 200:
-                        return
+                    status = reply.status
+            except urllib.error.HTTPError as error:
+                status = error.code
             except (urllib.error.URLError, ConnectionError):
-                pass
+                status = None
+            if status in statuses:
+                return status
             time.sleep(0.05)
-        raise TimeoutError(f"sidecar not ready in {timeout} s:\n{self.log()}")
+        raise TimeoutError(f"sidecar's /readyz gave none of {sorted(statuses)} in {timeout} s:\n{self.log()}")
 
 
 @pytest.fixture

@@ -283,7 +283,7 @@ def test_a_sidecar_started_before_its_worker_learns_the_models_when_it_turns_rea
 
     socket_path = f"{short_tmpdir()}/w.sock"
     front = sidecar([socket_path])
-    assert httpx.get(f"{front.http}/readyz").status_code == 503
+    assert front.wait_readyz({200, 503}) == 503  # listening (the process may take a moment), not ready
     worker = worker_process(*SYNTHETIC, "--set", "engine.args.prefill_tokens_per_s=1000", socket_path=socket_path)
     worker.wait_ready()
     front.wait_ready()
