@@ -313,9 +313,9 @@ async def throughput(name: str, shape: dict, batches: list[int], work: Path, ban
 async def in_process(name: str, folder: Path, vocab: int, row: dict, model: StepModel) -> None:
     """What needs the engine in this process, at each batch of row["native"]: the prefill of the
     whole batch timed alone (one token each, median of 3: in the decode runs the last prompts'
-    chunks share steps with the first ones' decodes, and through a process of its own the prompts
-    arrive over several steps), and on CUDA the decode steps under the torch profiler (device time
-    by kernel, the host's gaps; it sees no other process's kernels)."""
+    chunks share steps with the first ones' decodes, and through a process of its own a burst's
+    first tokens came later, docs/benchmarks.md), and on CUDA the decode steps under the torch
+    profiler (device time by kernel, the host's gaps; it sees no other process's kernels)."""
     engine = engine_for(folder, "bfloat16")
     await engine.load_model()
     rng = random.Random(4)
