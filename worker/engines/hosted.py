@@ -123,7 +123,7 @@ class Host:
         self.channel.send(("loaded", {
             "info": engine.info, "tokenizer": engine.tokenizer, "speculates": engine.speculates,
             "kv_budget_tokens": engine.kv_budget_tokens(),
-            "leaves_text": engine.eos_ids if engine.leaves_text else None,
+            "leaves_text": engine.eos_ids if engine.leaves_text else None,  # what the worker's side renders with
             "grammars": (grammars.vocab_size, grammars.stop_ids) if grammars is not None else None}))
         tasks = [asyncio.create_task(self._report()), asyncio.create_task(self._read())]
         try:
