@@ -41,7 +41,6 @@ sys.path.insert(0, str(REPO))
 
 from bench.gpu_roofline import DecodeProfile, StepModel, copy_bandwidth, matmul_peak  # noqa: E402
 from bench.structured import machine  # noqa: E402
-from worker.config import Config  # noqa: E402
 from worker.config_loader import load_config  # noqa: E402
 from worker.engines.base import BaseEngine  # noqa: E402
 from worker.engines.factory import create_engine, runs_in_own_process  # noqa: E402
@@ -80,24 +79,15 @@ def make_folder(shape: dict, dtype: torch.dtype, folder: Path):
     return model
 
 
-def engine_for(folder: Path, dtype: str, **args) -> NativeEngine:
+def engine_for(folder: Path, dtype: str, as_worker: bool = False, **args) -> BaseEngine:
     """The native engine in this process (its model and counters at hand, its kernels under this
-    process's profiler)."""
-    return NativeEngine(bench_config(folder, dtype, args))
-
-
-def worker_engine(folder: Path, dtype: str) -> BaseEngine:
-    """The engine as the worker makes it from the same config: on CUDA in its own process
-    (engine.own_process auto), which leaves the text to this one (BaseEngine.leaves_text)."""
-    return create_engine(bench_config(folder, dtype, {}))
-
-
-def bench_config(folder: Path, dtype: str, args: dict) -> Config:
+    process's profiler); `as_worker`: as the worker makes it, on CUDA in its own process."""
     # Plain decoding: speculation (bench/speculation.py) would change what a step is.
     engine_args = {"max_num_seqs": 256, "max_num_batched_tokens": 8192, "speculation": "requested", **args}
-    return load_config(None, {"HOME": "/tmp"}, {
+    config = load_config(None, {"HOME": "/tmp"}, {
         "engine.name": "native", "engine.model": str(folder), "engine.dtype": dtype,
         "engine.args": json.dumps(engine_args)})
+    return create_engine(config) if as_worker else NativeEngine(config)
 
 
 async def run_requests(engine: BaseEngine, prompts: list[list[int]], new_tokens: int,
@@ -270,7 +260,7 @@ async def throughput(name: str, shape: dict, batches: list[int], work: Path, ban
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
     started = time.perf_counter()
-    engine = worker_engine(folder, "bfloat16")
+    engine = engine_for(folder, "bfloat16", as_worker=True)
     row["engine_in_own_process"] = runs_in_own_process(engine.config)
     await engine.load_model()
     row["native_ready_s"] = time.perf_counter() - started

@@ -51,9 +51,7 @@ class NativeEngine(ThreadedEngine):
     name = "native"
     preset_args = ("block_size", "max_num_batched_tokens", "max_num_seqs", "gpu_memory_utilization")
     paces_messages = True  # messages.py: a sleep a message in the servicer would only repeat it
-    # Turning 256 tokens a step into text took ~0.3 ms of the engine thread's ~2.3 at batch 256 (an
-    # H100 host, Llama-1B shape), where that thread, not the device, set the step's time.
-    can_leave_text = True
+    can_leave_text = True  # in its own process the worker makes the text (docs/architecture.md)
     warmup_prompt_tokens = 64  # so the PrefillPacer has a rate before the first long prompt
 
     def __init__(self, config, on_fatal=None):

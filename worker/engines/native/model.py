@@ -263,9 +263,6 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        # On the CPU even when built on meta: a meta arange and division import torch's Python
-        # references (0.5-1 s of startup), and a meta buffer would hold no values.
-        self.register_buffer("inv_freq", rope_frequencies(config), persistent=False)
         self.rotations: torch.Tensor | None = None  # set by cache_rotations()
         self.decode_weights: kernels.LayerWeights | None = None  # set by gather_decode_weights()
 
@@ -290,11 +287,11 @@ class LlamaModel(nn.Module):
         return self.lm_head(self.norm.add(x, residual)[1])
 
     def cache_rotations(self, positions: int) -> None:
-        """The rotary embedding's cos and sin for every position below `positions`, (2, positions, D)
-        in the model's dtype, computed as HF computes them (fp32 on the model's device, then rounded):
-        a step picks its rows in one kernel. Computed at each step, they took seven (~12 us of a
-        CUDA graph's step)."""
-        freqs = torch.arange(positions, dtype=torch.float32, device=self.inv_freq.device)[:, None] * self.inv_freq[None, :]
+        """cos and sin of every position below `positions`, (2, positions, D) in the model's dtype, as HF
+        computes them (fp32 on the model's device, then rounded): a step takes its rows in one kernel, not seven."""
+        device = self.embed_tokens.weight.device
+        inv_freq = rope_frequencies(self.config).to(device)  # on the CPU first, as HF computes it
+        freqs = torch.arange(positions, dtype=torch.float32, device=device)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.rotations = torch.stack((emb.cos(), emb.sin())).to(self.embed_tokens.weight.dtype)
 
