@@ -239,13 +239,16 @@ if triton is not None:
                            slots_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos,
                            stride_cs, stride_ch, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
                            HEADS_PAD: tl.constexpr, KV_PAD: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr):
-        pdl.wait_for_previous(PDL)
         token = tl.program_id(0)
         half = tl.arange(0, HALF)
+        # Before the wait: the rotations and the slot come from the step's inputs, which no kernel
+        # of the layer writes (pdl.py).
         cos1 = tl.load(cos_ptr + token * stride_cos + half).to(tl.float32)[None, :]
         cos2 = tl.load(cos_ptr + token * stride_cos + HALF + half).to(tl.float32)[None, :]
         sin1 = tl.load(sin_ptr + token * stride_cos + half).to(tl.float32)[None, :]
         sin2 = tl.load(sin_ptr + token * stride_cos + HALF + half).to(tl.float32)[None, :]
+        slot = tl.load(slots_ptr + token).to(tl.int64)
+        pdl.wait_for_previous(PDL)
         heads = tl.arange(0, HEADS_PAD)
         mask = (heads < HEADS)[:, None]
         out1, out2 = _rotate_half(q_ptr + token * stride_qt, cos1, sin1, cos2, sin2, heads * stride_qh, half, mask, HALF)
@@ -255,7 +258,6 @@ if triton is not None:
         kv = tl.arange(0, KV_PAD)
         mask = (kv < KV_HEADS)[:, None]
         out1, out2 = _rotate_half(k_ptr + token * stride_kt, cos1, sin1, cos2, sin2, kv * stride_kh, half, mask, HALF)
-        slot = tl.load(slots_ptr + token).to(tl.int64)
         k_out = k_out_ptr + token * KV_HEADS * 2 * HALF + kv[:, None] * 2 * HALF + half[None, :]
         cached = k_cache_ptr + slot * stride_cs + kv[:, None] * stride_ch + half[None, :]
         out1, out2 = out1.to(k_out_ptr.dtype.element_ty), out2.to(k_out_ptr.dtype.element_ty)
@@ -277,7 +279,6 @@ if triton is not None:
         running max, sum and unnormalized output, shapes (B, kv_heads, SPLITS, GROUP_PAD[, D]),
         and the last part to finish combines them: in one kernel, a context too short to split
         costs no second launch."""
-        pdl.wait_for_previous(PDL)
         kv_head = tl.program_id(0)
         seq = tl.program_id(1)
         split = tl.program_id(2)
@@ -292,6 +293,11 @@ if triton is not None:
         g = tl.arange(0, GROUP_PAD)
         d = tl.arange(0, HEAD_DIM)
         t = tl.arange(0, TILE)
+        # Before the wait: the lengths, the tables and the first tile's blocks are the step's inputs,
+        # which no kernel of the layer writes (pdl.py); the K/V in them may be this step's.
+        first_blocks = tl.load(tables_ptr + seq * stride_table + (first_tile * TILE + t) // BLOCK,
+                               mask=first_tile * TILE + t < length, other=0)
+        pdl.wait_for_previous(PDL)
         heads = kv_head * GROUP + g
         q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :],
                     mask=(g < GROUP)[:, None], other=0.0)
@@ -301,7 +307,8 @@ if triton is not None:
         for tile in range(first_tile, last_tile):
             position = tile * TILE + t
             valid = position < length
-            block = tl.load(tables_ptr + seq * stride_table + position // BLOCK, mask=valid, other=0)
+            block = tl.load(tables_ptr + seq * stride_table + position // BLOCK, mask=valid & (tile > first_tile), other=0)
+            block = tl.where(tile > first_tile, block, first_blocks)
             offsets = (block * BLOCK + position % BLOCK).to(tl.int64)[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
             k = tl.load(k_ptr + offsets, mask=valid[:, None], other=0.0)
             if IEEE:

@@ -10,7 +10,8 @@ than two overlap.
 
 The rule that keeps this correct: a kernel launched with `launch_pdl=True` calls `wait_for_previous`
 in every program before it reads anything the kernel launched right before it writes, and before it
-writes anything. What that kernel does not write may be read before the wait (the weights): this
+writes anything. What that kernel does not write may be read before the wait (the weights; the
+step's inputs, copied in before its first kernel: lengths, block tables, slots, rotations): this
 kernel starts only once that one is past its own wait, so every kernel before it has finished.
 Kernels launched without PDL (torch's, cuBLAS's) wait for the ones before them to finish, as always.
 """
