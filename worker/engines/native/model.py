@@ -21,6 +21,7 @@ from worker.engines.native.attention import decode_attention, decode_gather, pre
 from worker.engines.native.elementwise import Elementwise
 from worker.engines.native.gemv import RowLinear, triton
 from worker.engines.native.linear import PackedLinear, QuantLinear
+from worker.engines.sampler import on_device
 
 SUPPORTED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
 ROPE_SCALING = {"default": (), "linear": ("factor",),
@@ -125,7 +126,7 @@ class Batch:
                 self.prefills.append((start, query_len, None, None))
                 paged_rows.append(index)
             else:
-                table = torch.tensor(blocks, device=device)
+                table = on_device(blocks, device, torch.long)
                 slots = (table[:, None] * self.block_size + offsets[None, :]).reshape(-1)[:context_len]
                 # Query i sits at context position context_len - query_len + i and sees up to it.
                 mask = (torch.arange(context_len, device=device)[None, :]
@@ -137,7 +138,7 @@ class Batch:
             if starts == list(range(starts[0], starts[0] + len(starts) * length, length)):  # one after another
                 self.fresh.append((starts[0], len(starts), length, None))
             else:
-                rows = torch.tensor(starts, device=device)[:, None] + torch.arange(length, device=device)[None, :]
+                rows = on_device(starts, device, torch.long)[:, None] + torch.arange(length, device=device)[None, :]
                 self.fresh.append((0, len(starts), length, rows))
         if paged_rows:
             self.paged_prefills = paged_prefill.paged_prefill_meta(
@@ -149,15 +150,16 @@ class Batch:
             # graphs, so an eager step runs the variant they compiled (another took ~0.4 s to build).
             width = -(-max(len(self.block_tables[i]) for i in decodes) // 16) * 16
             tables = [self.block_tables[i] + [0] * (width - len(self.block_tables[i])) for i in decodes]
-            self.decode_tables = torch.tensor(tables, dtype=torch.int32, device=device)
-            self.decode_lens = torch.tensor([self.context_lens[i] for i in decodes], device=device,
-                                            dtype=torch.int64 if device.type == "cuda" else torch.int32)
+            # Copied from pinned memory (sampler.on_device): from a list, each waits for the step before.
+            self.decode_tables = on_device(tables, device, torch.int32)
+            self.decode_lens = on_device([self.context_lens[i] for i in decodes], device,
+                                         torch.int64 if device.type == "cuda" else torch.int32)
             in_place = (device.type == "cuda" and triton is not None) or (device.type == "cpu" and kernels.loaded())
             if not in_place:
                 self.decode_gather = decode_gather(self.decode_tables, self.decode_lens, self.block_size)
             if len(decodes) < len(self.query_lens):
-                rows = torch.tensor(self.query_lens, device=device).cumsum(0) - 1
-                self.decode_index = rows[torch.tensor(decodes, device=device)]
+                rows = on_device(self.query_lens, device, torch.long).cumsum(0) - 1
+                self.decode_index = rows.index_select(0, on_device(decodes, device, torch.long))
         return self
 
 
