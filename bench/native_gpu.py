@@ -199,7 +199,7 @@ async def equivalence(shape: dict, work: Path) -> dict:
     try:
         one_by_one = [(await run_requests(engine, [ids], 32))["outputs"][0] for ids in prompts]
         together = (await run_requests(engine, prompts, 32))["outputs"]
-        from worker.engines.native.model import Batch
+        from worker.engines.native.batch import Batch
 
         ids = prompts[0]
         blocks = list(range(-(-len(ids) // 16)))

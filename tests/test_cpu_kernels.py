@@ -259,7 +259,8 @@ def test_decode_layers_match_the_layer_by_layer_path(built, variant, tiny_model,
     model's layers run one by one, to the bit: the same kernels in the same order. bf16-unpacked:
     the weights as PackedLinear keeps them where oneDNN has no bf16."""
     from worker.engines.native.linear import PackedLinear
-    from worker.engines.native.model import Batch, load_model
+    from worker.engines.native.batch import Batch
+    from worker.engines.native.model import load_model
 
     folder = tiny_model("qwen2") if variant == "qwen2-bias" else request.getfixturevalue("embedded_model")
     dtype = torch.bfloat16 if variant.startswith("bf16") else torch.float32

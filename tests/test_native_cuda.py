@@ -299,7 +299,7 @@ def test_a_step_of_prompts_beside_decodes_is_prepared_without_waiting_for_the_on
     """A step that runs prompts beside decodes (a burst's prefill) indexes its decode rows as it is
     queued: each index goes over from pinned memory. Made from lists (pageable memory) they waited
     for the stream, so such a step's forward was queued only once the step before had finished."""
-    from worker.engines.native.model import Batch
+    from worker.engines.native.batch import Batch
 
     def batch() -> Batch:  # a fresh prompt of 4, a decode at 10 tokens, 3 tokens after 16 cached
         ids = torch.arange(8, device="cuda")

@@ -16,7 +16,8 @@ from worker.config_loader import load_config
 from worker.deps.hardware import runnable_isas, this_cpu
 from worker.engines.native import kernels
 from worker.engines.native.engine import NativeEngine
-from worker.engines.native.model import Batch, load_model
+from worker.engines.native.batch import Batch
+from worker.engines.native.model import load_model
 from worker.engines.native.sequence import DecodeRows, batch_of
 from worker.request import GenerationRequest, SamplingParams
 

@@ -10,7 +10,8 @@ import torch
 
 from worker.config_loader import load_config
 from worker.engines.native import kernels
-from worker.engines.native.model import Batch, load_model
+from worker.engines.native.batch import Batch
+from worker.engines.native.model import load_model
 
 BLOCK = 16
 

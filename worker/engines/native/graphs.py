@@ -13,7 +13,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from worker.engines.native.model import Batch, LlamaModel
+from worker.engines.native.batch import Batch
+from worker.engines.native.model import LlamaModel
 from worker.engines.native.sequence import Sequence, logit_rows, pick
 
 

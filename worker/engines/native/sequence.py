@@ -12,7 +12,7 @@ from worker.engines.base import RequestStream
 from worker.engines.detokenizer import OutputText
 from worker.engines.logprobs import Pending, of_prompt
 from worker.engines.native.block_manager import BlockTable
-from worker.engines.native.model import Batch
+from worker.engines.native.batch import Batch
 from worker.engines.native.speculation import Proposer
 from worker.engines.sampler import Draws, Rows, choose, on_device
 from worker.request import GenerationRequest, TokenLogprob
