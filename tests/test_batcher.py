@@ -1,5 +1,5 @@
 """The native engine's Batcher on the host: the rows of a decode step launched ahead of its
-predecessor's tokens (engine._launch_ahead), and which waiting prompts may join it."""
+predecessor's tokens (ahead.decodes), and which waiting prompts may join it."""
 
 from types import SimpleNamespace
 

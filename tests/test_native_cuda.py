@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from worker.config_loader import load_config
+from worker.engines.native import ahead
+from worker.engines.native import engine as engine_module
 from worker.engines.native.engine import NativeEngine
 from worker.request import GenerationRequest, SamplingParams
 
@@ -33,8 +35,8 @@ async def test_steps_launched_ahead_end_each_stream_at_its_token(tiny_llama, mon
     every block must come back. A request that ends by length gives its slot back (on_finish)
     once the step making its last token is launched, before that token reaches its stream."""
     launched = []
-    launch_ahead = NativeEngine._launch_ahead
-    monkeypatch.setattr(NativeEngine, "_launch_ahead", lambda self, step: launched.append(launch_ahead(self, step)) or launched[-1])
+    launch_ahead = engine_module.launch_ahead
+    monkeypatch.setattr(engine_module, "launch_ahead", lambda engine, step: launched.append(launch_ahead(engine, step)) or launched[-1])
     config = load_config(None, {"HOME": "/tmp"}, {"engine.name": "native", "engine.model": str(tiny_llama),
                                                   "engine.dtype": "float32", "engine.device": "cuda",
                                                   "engine.args.speculation": "requested"})
@@ -90,8 +92,8 @@ async def test_rows_that_need_their_token_on_the_host_are_sampled_after_it_is_re
     from worker.request import Constraint
 
     launched = []
-    launch_ahead = NativeEngine._launch_ahead
-    monkeypatch.setattr(NativeEngine, "_launch_ahead", lambda self, step: launched.append(launch_ahead(self, step)) or launched[-1])
+    launch_ahead = engine_module.launch_ahead
+    monkeypatch.setattr(engine_module, "launch_ahead", lambda engine, step: launched.append(launch_ahead(engine, step)) or launched[-1])
     prompt = list(range(2, 42))
     kinds = {"grammar": dict(constraint=Constraint("regex", "(t7|t9){3,40}")), "penalty": dict(repetition_penalty=1.5),
              "logprobs": dict(logprobs=3), "seeded": dict(temperature=1.0, seed=7), "plain": {}}
@@ -160,6 +162,45 @@ async def test_speculation_gives_the_same_tokens_on_cuda(tiny_llama, eager):
             assert [await run(i, True, **sampling) for i in range(4)] == off
             assert list(await asyncio.gather(*(run(i, True, **sampling) for i in range(4)))) == off
         assert engine.speculation_stats()[2] > 0, "proposals were accepted"
+        assert engine.num_unfinished() == 0 and engine.blocks.num_free == engine.blocks.num_blocks
+    finally:
+        await engine.unload_model()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="checks are launched ahead through the graphs")
+async def test_checks_launched_ahead_give_the_same_tokens_and_are_dropped_after_a_rejection(tiny_llama, monkeypatch):
+    """A step of greedy checks has the next check launched before its tokens are read, as if every
+    proposal were accepted (ahead.checks); a sequence that had one rejected has those rows
+    dropped. Greedy ids are those of speculation off, alone and batched, both cases happen, and
+    every block comes back."""
+    launched, dropped = [], []
+    checks, verified = ahead.checks, NativeEngine._verified
+    monkeypatch.setattr(ahead, "checks", lambda engine, step: launched.append(checks(engine, step)) or launched[-1])
+
+    def spy(self, step):
+        if not step.launched_at:  # launched ahead
+            dropped.extend(not seq.done and seq.num_cached != base for seq, base in zip(step.verifying, step.bases))
+        return verified(self, step)
+
+    monkeypatch.setattr(NativeEngine, "_verified", spy)
+    config = load_config(None, {"HOME": "/tmp"}, {"engine.name": "native", "engine.model": str(tiny_llama),
+                                                  "engine.dtype": "float32", "engine.device": "cuda",
+                                                  "engine.args.speculation": "requested"})
+    engine = NativeEngine(config)
+    await engine.load_model()
+    prompts = [list(range(2 + i, 30)) * 4 for i in range(4)]  # repeated: the random model copies it at times
+
+    async def run(index: int, on: bool) -> list[int]:
+        request = GenerationRequest(request_id=f"c{index}-{on}", prompt_token_ids=prompts[index], speculative=on,
+                                    sampling=SamplingParams(max_tokens=64, ignore_eos=True))
+        return [t async for out in engine.stream_predict(request) for t in out.token_ids]
+
+    try:
+        off = [await run(i, False) for i in range(4)]
+        assert [await run(i, True) for i in range(4)] == off
+        assert list(await asyncio.gather(*(run(i, True) for i in range(4)))) == off
+        assert sum(step is not None for step in launched) > 8
+        assert any(dropped) and not all(dropped), dropped
         assert engine.num_unfinished() == 0 and engine.blocks.num_free == engine.blocks.num_blocks
     finally:
         await engine.unload_model()

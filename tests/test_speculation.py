@@ -37,6 +37,20 @@ def test_the_proposer_continues_the_latest_earlier_occurrence_of_the_longest_suf
     assert Proposer(SETTINGS).propose([9, 5, 5, 5], limit=3) == [5, 5, 5]
 
 
+def test_proposals_after_a_draft_launched_ahead_follow_its_source():
+    """A check launched before the last one is read (ahead.checks) proposes what follows in
+    the same source, past the token the model adds after the draft."""
+    proposer = Proposer(SETTINGS)
+    tokens = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3]  # (2, 3) at 1-2: followed by 4, 5, 6, 7
+    assert proposer.propose(tokens, limit=10) == [4, 5, 6, 7]
+    proposer.drafted(2)  # [4, 5] launched: the model's next is 6 if it copies on
+    assert proposer.follow(tokens, limit=4) == [7, 1, 2, 3]
+    assert proposer.follow(tokens, limit=2) == [5, 6], "a loop of period 7 goes on: 4 from the model, then 5, 6"
+    looping = Proposer(SETTINGS)
+    assert looping.propose([9, 1, 2, 1, 2], limit=3) == [1, 2, 1]
+    assert looping.follow([9, 1, 2, 1, 2], limit=3) == [1, 2, 1], "after 1, 2, 1 and the model's 2"
+
+
 def test_a_sequence_whose_proposals_fail_pauses_longer_each_time():
     proposer = Proposer(SETTINGS)
     tokens = [1, 2, 3] * 4
@@ -125,7 +139,7 @@ def test_a_new_sequence_starts_from_what_checks_lately_accepted():
     for _ in range(100):
         row = Row([3, 4, 5])
         row.done, row.proposer = False, Proposer(SETTINGS)
-        assert speculator.check([row], one_hot([0, 4, 5, 1])) == [(row, [0])], "the first proposal rejected"
+        assert speculator.check([row], [row.draft], one_hot([0, 4, 5, 1])) == [(row, [0])], "the first proposal rejected"
     assert speculator.proposer_for(request, plain=True).expected < 1
 
 
@@ -183,7 +197,9 @@ def test_greedy_verification_takes_proposals_while_they_are_the_argmax_then_one_
     rows = [Row([3, 4, 5]), Row([1, 1]), Row([2, 6])]
     # Row 0: the model says 3, 4, 7 (rejects 5), then 2; row 1: 0 first; row 2: takes both, then 5.
     logits = torch.cat([one_hot([3, 4, 7, 2]), one_hot([0, 1, 1]), one_hot([2, 6, 5])])
-    assert verify(logits, rows) == [[3, 4, 7], [0], [2, 6, 5]]
+    assert verify(logits, rows, [row.draft for row in rows]) == [[3, 4, 7], [0], [2, 6, 5]]
+    chosen = logits.argmax(dim=-1).tolist()  # copied over by the step (Step.check): the logits not read again
+    assert verify(torch.zeros_like(logits), rows, [row.draft for row in rows], chosen) == [[3, 4, 7], [0], [2, 6, 5]]
 
 
 @pytest.mark.parametrize("top_k", [0, 3])
@@ -199,7 +215,7 @@ def test_rejection_sampling_keeps_the_model_s_distribution(top_k):
     counts = torch.zeros(6)
     trials = 6000
     for seed in range(trials):
-        tokens = verify(logits, [Row([1], temperature=1.0, seed=seed, top_k=top_k)])[0]
+        tokens = verify(logits, [Row([1], temperature=1.0, seed=seed, top_k=top_k)], [[1]])[0]
         counts[tokens[0]] += 1
         assert len(tokens) == 2 if tokens[0] == 1 else len(tokens) == 1
     assert 0.5 * (counts / trials - p).abs().sum() < 0.025, (counts / trials, p)

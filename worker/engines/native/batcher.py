@@ -79,7 +79,7 @@ class Batcher:
 
     def ahead(self, seqs: list[Sequence], rows: int, fits: Callable[[Sequence, int], bool]) -> list[tuple[Sequence, int]] | None:
         """The (sequence, tokens) rows of the step after the one running, for `seqs` of its rows, each
-        sampling a token still on the device (engine._launch_ahead): a decode of that token each,
+        sampling a token still on the device (ahead.decodes): a decode of that token each,
         then whole prompts waiting that `fits` takes (sequence.DecodeRows), oldest first, within
         `rows` rows in all. None when that step is not known yet: the blocks cannot hold the
         pending tokens, the oldest waiting prompt cannot join so (a long one, one scored for

@@ -5,7 +5,7 @@ step's rows, running sequences decoding one token each and waiting ones prefilli
 preempts the newest running sequence when blocks run out. launch() queues the forward pass and the
 sampling on the device; read() waits for the tokens. On CUDA a step's tokens become text and
 messages (emit) while the next step runs, and a decode step whose successor is known before its
-tokens are has that successor launched first, fed with its tokens on the device (_launch_ahead).
+tokens are has that successor launched first, fed with its tokens on the device (ahead.py).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from worker.config import ConfigError
 from worker.engines.base import ENDING, ModelInfo, RequestStream
 from worker.engines.detokenizer import OutputText
 from worker.engines.native import kernels as cpu_kernels
+from worker.engines.native.ahead import launch as launch_ahead
 from worker.engines.native.batcher import Batcher
 from worker.engines.cache_events import CacheEvents
 from worker.engines.native.block_manager import BlockManager, zeros
@@ -30,7 +31,7 @@ from worker.engines.native.sequence import DecodeRows, Sequence, Step, batch_of,
 from worker.engines.native.speculation import Settings, Speculator
 from worker.engines.native.warmup import warm_up
 from worker.engines.prompt import encode_prompt, load_tokenizer
-from worker.engines.sampler import Rows, make_generator
+from worker.engines.sampler import make_generator
 from worker.engines.threaded import ThreadedEngine
 from worker.errors import DeviceOutOfMemory
 from worker.models import locate_model
@@ -211,19 +212,25 @@ class NativeEngine(ThreadedEngine):
                 started = time.monotonic()
                 step = self._launch(self.batcher.schedule())
                 step.flops, step.launched_at = self.batcher.step_flops, started
-            ahead = self._launch_ahead(step) if self.overlap else None
+            before = time.monotonic()
+            ahead = launch_ahead(self, step) if self.overlap else None
+            ahead_s = time.monotonic() - before  # the next step's host work, not this one's cost
             self._emit()  # with overlap: while the step runs on the device
-            prefilled = sum(c for seq, c in step.scheduled if c > 1 and not seq.draft)
+            prefilled = step.prefilled
             rows = sum(c for _, c in step.scheduled)
             self._pending = self._read(step)
             if ahead is not None and ahead.logits is not None:  # its forward pass runs while the masks fill
                 ahead.sample(self.grammars)
+            if step.verifying and not step.launched_at and not self._pending:  # checks launched ahead, dropped
+                step = ahead
+                continue
             previous, self.last_step_at = self.last_step_at, time.monotonic()
             if self.speculates and not prefilled:
                 if step.launched_at:
-                    self.speculator.step_cost.record(rows, self.last_step_at - step.launched_at)
+                    self.speculator.step_cost.record(rows, self.last_step_at - step.launched_at - ahead_s)
                 if self.overlap and not self.batcher.waiting and self.last_step_at - previous < 1.0:  # (not after idling)
-                    self.speculator.record_period(not step.launched_at, sum(len(t) for _, t in self._pending),
+                    chained = not step.launched_at and not step.verifying  # (checks launched ahead: proposing)
+                    self.speculator.record_period(chained, sum(len(t) for _, t in self._pending),
                                                   len(step.scheduled), self.last_step_at - previous)
             if step.flops:  # priced: it may have prefilled
                 self.pacer.record(step.flops, self.last_step_at - step.launched_at, prefilled)
@@ -288,13 +295,16 @@ class NativeEngine(ThreadedEngine):
             if seq.scores_prompt:
                 seq.score_prompt(logits[end - count:end], count)
         step = Step(scheduled)
-        if any(seq.draft for seq, _ in scheduled):
-            step.verifying = [seq for seq, _ in scheduled if seq.draft]
-            step.draft_logits = pick(logits, [row for (seq, count), end in zip(scheduled, ends) if seq.draft
-                                              for row in range(end - count, end)])
         # Rows that end their sequence's known tokens get a next one (a chunk mid-prompt does not).
         at = [i for i, (seq, count) in enumerate(scheduled)
               if not seq.draft and seq.num_cached + count == len(seq.tokens)]
+        if any(seq.draft for seq, _ in scheduled):
+            verifying = [seq for seq, _ in scheduled if seq.draft]
+            step.check(pick(logits, [row for (seq, count), end in zip(scheduled, ends) if seq.draft
+                                     for row in range(end - count, end)]),
+                       verifying, [seq.draft for seq in verifying], [seq.num_cached for seq in verifying])
+            for seq in verifying:
+                seq.draft = []  # the step's now (Step.drafts)
         if not at:
             return step
         step.ready = [scheduled[i][0] for i in at]
@@ -304,46 +314,15 @@ class NativeEngine(ThreadedEngine):
         step.logits = logits
         return step.sample(self.grammars)
 
-    def _launch_ahead(self, step: Step) -> Step | None:
-        """The decode step after `step`, launched before `step`'s tokens reach the host (they go from
-        the sampler into the graph's inputs on the device), where that step is known: every row of
-        `step` samples, Batcher.ahead knows the rows (short prompts may join), and proposing lately
-        paid (Speculator.schedules_next). Sequences ended, or whose pending token is their last by
-        length, get no row; rows a pending EOS or stop id ends are computed and dropped, their slot
-        writes in blocks that stream order keeps from anyone else until this step is done."""
-        seqs = step.ready
-        if (self.graphs is None or not seqs or len(seqs) != len(step.scheduled)
-                or len(seqs) > self.graphs.max_batch
-                or any(seq.proposer and seq.proposer.active for seq in seqs) and self.speculator.schedules_next()):
-            return None
-        left = [-1 if seq.done else seq.end - len(seq.tokens) for seq in seqs]  # tokens to come, pending one's too
-        kept = [i for i, count in enumerate(left) if count > 1]
-        live = seqs if len(kept) == len(seqs) else [seqs[i] for i in kept]
-        scheduled = self.batcher.ahead(live, self.graphs.max_batch, self.decode_rows)
-        if not scheduled:
-            return None
-        pending = step.tokens if live is seqs else pick(step.tokens, kept)
-        joined, block_size = scheduled[len(live):], self.blocks.block_size
-        if 2 in left:  # this step makes their last token (a pass over 256 rows costs ~10 us: only then)
-            self._ends += [seqs[i].stream for i, count in enumerate(left) if count == 2]
-        self._ends += [seq.stream for seq, _ in joined if seq.ends_with_next()]
-        if joined:
-            ahead = Step(scheduled, ready=live + [seq for seq, _ in joined],
-                         logits=self.graphs.rows(joined, block_size, ahead=live, pending=pending if live else None))
-        else:
-            ahead = Step(scheduled, ready=live, logits=self.graphs.decode(live, block_size, pending))
-        ahead.rows = step.rows if ahead.ready is seqs else Rows(ahead.ready)  # sampled as they were
-        # A row that needs its last token on the host first is sampled once `step` is read.
-        return ahead.sample(self.grammars) if ahead.rows.plain else ahead
-
     def _read(self, step: Step) -> list[tuple[Sequence, list[int]]]:
         """The step's outcome on the host: each row's tokens counted in the cache, the sampled (or
         accepted) tokens appended, (sequence, its new tokens) to emit. A sequence that a token ends
         (EOS, a stop id, its length) gives its blocks back here, so the next step does not run it;
         stop strings are found later, in _emit."""
+        checking = {id(seq) for seq in step.verifying}  # counted once their proposals are checked
         for seq, count in step.scheduled:
-            if not seq.done:  # else ended by a stop string, or aborted, after this step was launched
-                seq.num_cached += 1 if seq.draft else count  # proposals count once accepted, below
+            if not seq.done and id(seq) not in checking:  # done: ended (a stop string) or aborted since
+                seq.num_cached += count
                 self.blocks.commit(seq.blocks, seq.tokens, seq.num_cached)
         sampled = self._verified(step) if step.verifying else []
         if not step.ready:
@@ -364,16 +343,20 @@ class NativeEngine(ThreadedEngine):
 
     def _verified(self, step: Step) -> list[tuple[Sequence, list[int]]]:
         """The rows with proposals: the tokens accepted and one more, appended, and counted in the
-        cache but the last (which the next step computes)."""
+        cache but the last (which the next step computes). A check launched ahead whose sequence
+        had a proposal rejected meanwhile is dropped unread (its rows at the wrong positions)."""
+        if not any(not seq.done and seq.num_cached == base for seq, base in zip(step.verifying, step.bases)):
+            return []
         sampled = []
-        for seq, tokens in self.speculator.check(step.verifying, step.draft_logits):
+        for seq, tokens in self.speculator.check(step.verifying, step.drafts, step.draft_logits, step.chosen(),
+                                                 step.bases):
             kept = []
             for token in tokens:
                 kept.append(token)
                 if not self._append(seq, token):
                     break
             if not seq.done:
-                seq.num_cached += len(kept) - 1
+                seq.num_cached += len(kept)
                 self.blocks.commit(seq.blocks, seq.tokens, seq.num_cached)
             sampled.append((seq, kept))
         return sampled

@@ -96,6 +96,24 @@ class DecodeGraphs:
             return logits
         return pick(logits, keep)
 
+    def checks(self, seqs: list[Sequence], positions: list[int], drafts: list[list[int]], block_size: int,
+               pending: torch.Tensor) -> torch.Tensor:
+        """The logits of a verify step launched ahead (ahead.checks): seqs[i]'s token still
+        on the device (pending[i]) at positions[i], then drafts[i] after it; returned as each
+        sequence's 1 + len(drafts[i]) rows in order. The pending tokens take the first rows, whose
+        ids run() replaces (a row is a one-token decode of its own: the order is free)."""
+        self.copied.synchronize()
+        m = len(seqs)
+        _, width = self.host.fill_tokens([(seq, position, [0]) for seq, position in zip(seqs, positions)], block_size)
+        n, more = self.host.fill_tokens([(seq, position + 1, draft) for seq, position, draft
+                                         in zip(seqs, positions, drafts)], block_size, start=m)
+        logits = self.run(n, max(width, more), pending)
+        order, at = [], m
+        for i, draft in enumerate(drafts):
+            order += [i, *range(at, at + len(draft))]
+            at += len(draft)
+        return logits if m == 1 else pick(logits, order)
+
     def run(self, n: int, width: int, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (n, vocab) of the n one-token decodes in rows [0, n) of the host inputs, whose block
         tables are at most `width` long; valid until the next run. `input_ids` (m,) on the device
@@ -179,15 +197,20 @@ class HostInputs:
 
     def fill_rows(self, scheduled: list[tuple[Sequence, int]], block_size: int, start: int = 0) -> tuple[int, int]:
         """fill() for a step of (sequence, tokens) rows, some of more than one token (proposals,
-        Sequence.draft, or a short prompt chunk): a row for each token, in order from row `start`,
-        written one by one. Returns (rows in all, width)."""
+        Sequence.draft, or a short prompt chunk): a row for each token, in order from row `start`."""
+        return self.fill_tokens([(seq, seq.num_cached, (seq.tokens[seq.num_cached:seq.num_cached + count]
+                                                         + seq.draft)[:count]) for seq, count in scheduled],
+                                block_size, start)
+
+    def fill_tokens(self, runs: list[tuple[Sequence, int, list[int]]], block_size: int, start: int = 0) -> tuple[int, int]:
+        """For each (sequence, position, token ids): a row for each token, at that position and on,
+        in order from row `start`, written one by one. Returns (rows in all, width)."""
         (ids, positions, slots, lens), tables = self.packed.numpy(), self.tables.numpy()
         self._ahead = None
         width, row = 0, start
-        for seq, count in scheduled:
-            position, table = seq.num_cached, seq.blocks.blocks
-            known = seq.tokens[position:position + count]
-            for token in (known + seq.draft)[:count]:
+        for seq, position, tokens in runs:
+            table = seq.blocks.blocks
+            for token in tokens:
                 ids[row] = token
                 positions[row] = position
                 slots[row] = table[position // block_size] * block_size + position % block_size

@@ -130,9 +130,24 @@ class Step:
     rows: Rows | None = None
     """What sampling reads of the ready rows (gathered by sample(), or those of the step launched before)."""
     verifying: list[Sequence] = field(default_factory=list)
-    """Rows with proposals (Sequence.draft), in order; not in `ready`."""
+    """Rows with proposals, in order; not in `ready`."""
+    drafts: list[list[int]] = field(default_factory=list)
+    """Their proposals (Sequence.draft when launched)."""
+    bases: list[int] = field(default_factory=list)
+    """Their first row's position: what their num_cached must be when the step is read."""
     draft_logits: torch.Tensor | None = None
     """Their logits: 1 + len(draft) rows each, checked by speculation.verify when the step is read."""
+    targets: torch.Tensor | None = None
+    """The argmax of every draft logits row (where a greedy row checks), on the device and being
+    copied to `host_targets`."""
+    host_targets: torch.Tensor | None = None
+    targets_copied: torch.cuda.Event | None = None
+
+    @property
+    def prefilled(self) -> int:
+        """Prompt tokens it computes: its rows of more than one token that check no proposals."""
+        checking = {id(seq) for seq in self.verifying}
+        return sum(count for seq, count in self.scheduled if count > 1 and id(seq) not in checking)
 
     @torch.inference_mode()  # penalties write into the logits, which the forward made inference tensors
     def sample(self, grammars: Any) -> Step:
@@ -146,6 +161,23 @@ class Step:
             self.host_tokens = self.tokens.to("cpu", non_blocking=True)
             self.copied.record()
         return self
+
+    def check(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]], bases: list[int]) -> None:
+        """Rows of `seqs` that check `drafts` from positions `bases` (1 + len(draft) logits rows
+        each): the greedy choice among them queued and its copy to the host; nothing waits."""
+        self.verifying, self.drafts, self.bases, self.draft_logits = seqs, drafts, bases, logits
+        if logits.is_cuda and any(seq.request.sampling.is_greedy for seq in seqs):
+            self.targets = logits.float().argmax(dim=-1)
+            self.host_targets = self.targets.to("cpu", non_blocking=True)
+            self.targets_copied = torch.cuda.Event()
+            self.targets_copied.record()
+
+    def chosen(self) -> list[int] | None:
+        """`targets` on the host, once copied; None where not computed."""
+        if self.targets_copied is None:
+            return None
+        self.targets_copied.synchronize()
+        return self.host_targets.tolist()
 
 
 def pick(tensor: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -115,6 +115,8 @@ class Proposer:
         self._hits, self._checks = 2 * min(0.9, self._accepted / settings.num_tokens), 2.0
         self._paused = 0
         self._pause = PAUSE_STEPS[0]
+        self._source = (0, 1)  # (start, period) of the tokens the last proposal came from
+        self._next = 0  # of that source, the index of the token after the last draft launched
 
     @property
     def active(self) -> bool:
@@ -145,7 +147,22 @@ class Proposer:
         # What followed; where that runs into the suffix itself (a loop of period p), the loop goes
         # on: a model that repeats "a b a b" gets k tokens, not one.
         period = len(tokens) - start
-        return [tokens[start + i % period] for i in range(min(limit, self.settings.num_tokens))]
+        self._source, self._next = (start, period), min(limit, self.settings.num_tokens)
+        return [tokens[start + i % period] for i in range(self._next)]
+
+    def drafted(self, length: int) -> None:
+        """The draft launched is the first `length` tokens proposed."""
+        self._next = length
+
+    def follow(self, tokens: list[int], limit: int) -> list[int]:
+        """Up to `limit` proposals for the step after the last draft launched, as if the model took
+        every one of its tokens and then the source's next (a verify step launched before the last
+        one is read, ahead.checks): the source's tokens after that one. `tokens`: the
+        sequence's, at least those it had when it proposed."""
+        start, period = self._source
+        first = self._next + 1
+        self._next = first + min(limit, self.settings.num_tokens)
+        return [tokens[start + i % period] for i in range(first, self._next)]
 
     def _lookup(self, tokens: list[int]) -> int | None:
         """Where what followed the latest earlier occurrence of the longest suffix found starts."""
@@ -236,7 +253,7 @@ class Speculator:
                 adds = [proposer.expected_for(j, full) for j in range(1, full + 1)]
                 length = max(range(1, full + 1), key=lambda j: adds[j - 1] - j * row_cost)
                 candidates.append((adds[length - 1] / length, row, draft[:length]))
-            elif overlap:  # a step that proposes nothing still costs the overlap (engine._launch_ahead)
+            elif overlap:  # a step that proposes nothing still costs the overlap (ahead.decodes)
                 seq.proposer.record(0)
         added, paying = 0, True
         for per_token, row, draft in sorted(candidates, reverse=True):
@@ -251,6 +268,7 @@ class Speculator:
             if blocks.can_grow(seq.blocks, seq.num_cached + 1 + len(draft)):
                 blocks.grow(seq.blocks, seq.num_cached + 1 + len(draft))
                 seq.draft = draft
+                seq.proposer.drafted(len(draft))
                 scheduled[row] = (seq, 1 + len(draft))
                 added += len(draft)
                 if fit:
@@ -279,48 +297,51 @@ class Speculator:
             return True
         return False
 
-    def check(self, seqs: list[Sequence], logits: torch.Tensor) -> list[tuple[Sequence, list[int]]]:
-        """(sequence, the tokens it appends) for the rows with proposals of a step just read, the
-        ended ones left out; their drafts cleared, the counters and their proposers told."""
+    def check(self, seqs: list[Sequence], drafts: list[list[int]], logits: torch.Tensor,
+              chosen: list[int] | None = None, bases: list[int] | None = None) -> list[tuple[Sequence, list[int]]]:
+        """(sequence, the tokens it appends) for the rows with proposals of a step just read (verify
+        takes the arguments it shares), the counters and their proposers told. Left out: the ended
+        sequences, and with `bases` (each row's first position) those whose cache is no longer
+        there, a step launched ahead of a check that rejected a proposal (ahead.checks)."""
         checked = []
-        for seq, tokens in zip(seqs, verify(logits, seqs)):
-            proposed, seq.draft = len(seq.draft), []
-            if seq.done:  # ended (a stop string, an abort) after the step was launched
+        for i, (seq, draft, tokens) in enumerate(zip(seqs, drafts, verify(logits, seqs, drafts, chosen))):
+            if seq.done or bases is not None and seq.num_cached != bases[i]:
                 continue
-            self.drafts, self.proposed, self.accepted = self.drafts + 1, self.proposed + proposed, \
+            self.drafts, self.proposed, self.accepted = self.drafts + 1, self.proposed + len(draft), \
                 self.accepted + len(tokens) - 1
-            seq.proposer.record(len(tokens) - 1, proposed)
+            seq.proposer.record(len(tokens) - 1, len(draft))
             self.recent = 0.98 * self.recent + 0.02 * (len(tokens) - 1)
             checked.append((seq, tokens))
         return checked
 
 
-def verify(logits: torch.Tensor, rows: list) -> list[list[int]]:
+def verify(logits: torch.Tensor, rows: list, drafts: list[list[int]], chosen: list[int] | None = None) -> list[list[int]]:
     """The tokens each row's sequence appends: its accepted proposals, then one token more.
-    logits: (sum of 1 + len(row.draft), vocab), each row's positions in order; rows: sequences
-    (request, generator, draft) with no grammar, penalties or logprobs."""
+    logits: (sum of 1 + len(draft), vocab), each row's positions in order; rows: sequences
+    (request, generator) with no grammar, penalties or logprobs; drafts: each row's proposals;
+    chosen: the argmax of every logits row, on the host already (a step's copy, Step.check)."""
     starts, at = [], 0
-    for row in rows:
+    for draft in drafts:
         starts.append(at)
-        at += 1 + len(row.draft)
+        at += 1 + len(draft)
     out: list[list[int]] = [[] for _ in rows]
     greedy = [i for i, row in enumerate(rows) if row.request.sampling.is_greedy]
-    if greedy:
-        index = [starts[i] + j for i in greedy for j in range(1 + len(rows[i].draft))]
-        chosen = (logits[index] if len(index) < len(logits) else logits).float().argmax(dim=-1).tolist()
-        at = 0
-        for i in greedy:
-            draft = rows[i].draft
-            targets = chosen[at:at + 1 + len(draft)]
-            at += 1 + len(draft)
-            accepted = 0
-            while accepted < len(draft) and draft[accepted] == targets[accepted]:
-                accepted += 1
-            out[i] = [*draft[:accepted], targets[accepted]]
+    if greedy and chosen is None:
+        index = [starts[i] + j for i in greedy for j in range(1 + len(drafts[i]))]
+        picked = (logits[index] if len(index) < len(logits) else logits).float().argmax(dim=-1).tolist()
+        chosen = [0] * at
+        for row, token in zip(index, picked):
+            chosen[row] = token
+    for i in greedy:
+        draft, targets = drafts[i], chosen[starts[i]:starts[i] + 1 + len(drafts[i])]
+        accepted = 0
+        while accepted < len(draft) and draft[accepted] == targets[accepted]:
+            accepted += 1
+        out[i] = [*draft[:accepted], targets[accepted]]
     for i, row in enumerate(rows):
         if not row.request.sampling.is_greedy:
-            span = logits[starts[i]:starts[i] + 1 + len(row.draft)]
-            out[i] = _sampled(*distribution(span, row.request.sampling), row.draft, row.generator)
+            span = logits[starts[i]:starts[i] + 1 + len(drafts[i])]
+            out[i] = _sampled(*distribution(span, row.request.sampling), drafts[i], row.generator)
     return out
 
 
