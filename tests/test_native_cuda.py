@@ -172,7 +172,7 @@ async def test_checks_launched_ahead_give_the_same_tokens_and_are_dropped_after_
     """A step of greedy checks has the next check launched before its tokens are read, as if every
     proposal were accepted (ahead.checks); a sequence that had one rejected has those rows
     dropped. Greedy ids are those of speculation off, alone and batched, both cases happen, and
-    every block comes back."""
+    every block comes back, after an abort mid-speculation too."""
     launched, dropped = [], []
     checks, verified = ahead.checks, NativeEngine._verified
     monkeypatch.setattr(ahead, "checks", lambda engine, step: launched.append(checks(engine, step)) or launched[-1])
@@ -201,6 +201,18 @@ async def test_checks_launched_ahead_give_the_same_tokens_and_are_dropped_after_
         assert list(await asyncio.gather(*(run(i, True) for i in range(4)))) == off
         assert sum(step is not None for step in launched) > 8
         assert any(dropped) and not all(dropped), dropped
+        assert engine.num_unfinished() == 0 and engine.blocks.num_free == engine.blocks.num_blocks
+        # Aborted mid-speculation, with a check launched ahead in flight: every block still comes back.
+        before = len(launched)
+        stream = engine.stream_predict(GenerationRequest(request_id="gone", prompt_token_ids=prompts[0], speculative=True,
+                                                         sampling=SamplingParams(max_tokens=800, ignore_eos=True)))
+        received, aborted = 0, False
+        async for out in stream:
+            received += len(out.token_ids)
+            if not aborted and any(step is not None for step in launched[before:]):  # once checks go ahead
+                engine.abort(stream)
+                aborted = True
+        assert received < 800
         assert engine.num_unfinished() == 0 and engine.blocks.num_free == engine.blocks.num_blocks
     finally:
         await engine.unload_model()
