@@ -10,6 +10,7 @@ import torch
 
 from worker.config import ConfigError
 from worker.config_loader import load_config
+from worker.engines.native import ahead
 from worker.engines.native.engine import NativeEngine
 from worker.engines.native.speculation import EXPLORE_STEPS, PAUSE_STEPS, Proposer, Settings, Speculator, StepCost, verify
 from worker.engines.sampler import Draws
@@ -308,3 +309,49 @@ async def test_a_stream_ended_mid_speculation_gives_back_every_block(embedded_mo
 def test_speculation_settings_are_checked(embedded_model, args, key):
     with pytest.raises(ConfigError, match=key):
         engine_for(embedded_model, **args)
+
+
+async def test_steps_launched_ahead_through_a_double_of_the_graphs_give_the_same_tokens(embedded_model, monkeypatch):
+    """With a TEST DOUBLE of the CUDA graphs (tests/doubles/graphs.py: their steps run eagerly on the
+    CPU), steps go ahead of their predecessors' tokens as on CUDA (worker/engines/native/ahead.py):
+    decodes, checks as if every proposal of the check before were accepted, and such checks dropped
+    after a rejection. Greedy tokens are those of speculation off, alone and batched, and every
+    block comes back, after an abort with a check in flight too."""
+    from tests.doubles.graphs import EagerGraphs
+
+    launched, dropped = [], []
+    checks, decodes, verified = ahead.checks, ahead.decodes, NativeEngine._verified
+    monkeypatch.setattr(ahead, "checks", lambda engine, step: launched.append(checks(engine, step)) or launched[-1])
+    monkeypatch.setattr(ahead, "decodes", lambda engine, step: launched.append(decodes(engine, step)) or launched[-1])
+
+    def spy(self, step):
+        if not step.launched_at:
+            dropped.extend(not seq.done and seq.num_cached != base for seq, base in zip(step.verifying, step.bases))
+        return verified(self, step)
+
+    monkeypatch.setattr(NativeEngine, "_verified", spy)
+    engine = engine_for(embedded_model, speculation="requested", overlap_output="true")
+    await engine.load_model()
+    engine.graphs = EagerGraphs(engine.model, engine.k_cache, engine.v_cache, max_batch=64)
+    # What goes ahead and how long a draft is are set by measured times: here by nothing but the tokens.
+    engine.speculator.schedules_next = lambda: True  # proposing pays: a step that may propose is scheduled
+    engine.speculator.step_cost.fit = lambda: None  # rows are free: drafts go in whole
+    try:
+        off = [await tokens_of(engine, r) for r in requests_for(engine, False, max_tokens=48)]
+        assert [await tokens_of(engine, r) for r in requests_for(engine, True, max_tokens=48)] == off
+        together = await asyncio.gather(*(tokens_of(engine, r) for r in requests_for(engine, True, max_tokens=48)))
+        assert list(together) == off
+        kinds = {(step.verifying != [], step.launched_at) for step in launched if step is not None}
+        assert kinds == {(False, 0.0), (True, 0.0)}, "decodes and checks both went ahead"
+        assert any(dropped) and not all(dropped), dropped
+        assert engine.num_unfinished() == 0 and engine.blocks.num_free == engine.blocks.num_blocks
+        before, aborted = len(launched), False
+        stream = engine.stream_predict(requests_for(engine, True, max_tokens=400, ignore_eos=True)[3])
+        async for _ in stream:
+            if not aborted and any(step is not None and step.verifying for step in launched[before:]):
+                engine.abort(stream)
+                aborted = True
+        assert aborted
+        assert engine.num_unfinished() == 0 and engine.blocks.num_free == engine.blocks.num_blocks
+    finally:
+        await engine.unload_model()

@@ -166,18 +166,18 @@ class Step:
         """Rows of `seqs` that check `drafts` from positions `bases` (1 + len(draft) logits rows
         each): the greedy choice among them queued and its copy to the host; nothing waits."""
         self.verifying, self.drafts, self.bases, self.draft_logits = seqs, drafts, bases, logits
-        if logits.is_cuda and any(seq.request.sampling.is_greedy for seq in seqs):
-            self.targets = logits.float().argmax(dim=-1)
-            self.host_targets = self.targets.to("cpu", non_blocking=True)
-            self.targets_copied = torch.cuda.Event()
-            self.targets_copied.record()
+        if any(seq.request.sampling.is_greedy for seq in seqs):
+            self.targets = self.host_targets = logits.float().argmax(dim=-1)
+            if logits.is_cuda:
+                self.host_targets = self.targets.to("cpu", non_blocking=True)
+                self.targets_copied = torch.cuda.Event()
+                self.targets_copied.record()
 
     def chosen(self) -> list[int] | None:
         """`targets` on the host, once copied; None where not computed."""
-        if self.targets_copied is None:
-            return None
-        self.targets_copied.synchronize()
-        return self.host_targets.tolist()
+        if self.targets_copied is not None:
+            self.targets_copied.synchronize()
+        return self.host_targets.tolist() if self.host_targets is not None else None
 
 
 def pick(tensor: torch.Tensor, rows: list[int]) -> torch.Tensor:
