@@ -64,14 +64,13 @@ def checks(engine, step: Step) -> Step | None:
     token is an argmax), with no prompt waiting to join.
     At batch 1 on an H100 (SmolLM2, rewrites) a check scheduled once the one before was read came
     every 1.37-1.40 ms, its host work and the device's one after the other."""
-    if engine.batcher.waiting or step.targets is None:
+    if engine.batcher.waiting or step.targets is None or not all(step.standing()):
         return None
     blocks, positions, drafts, pending, at = engine.blocks, [], [], [], 0
     for seq, draft, base in zip(step.verifying, step.drafts, step.bases):
         position = base + len(draft) + 1  # of the token after the draft's
-        if (seq.done or seq.num_cached != base or not seq.request.sampling.is_greedy
-                or not seq.proposer.active or position + 1 >= seq.end):
-            return None  # (dropped, not greedy, paused, or the token after the draft's is its last)
+        if not seq.request.sampling.is_greedy or not seq.proposer.active or position + 1 >= seq.end:
+            return None  # (not greedy, paused, or the token after the draft's is its last)
         follow = seq.proposer.follow(seq.tokens, seq.end - position - 2)  # k at most, as a whole check's
         if not blocks.can_grow(seq.blocks, position + 1 + len(follow)):
             return None

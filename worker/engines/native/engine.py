@@ -345,11 +345,12 @@ class NativeEngine(ThreadedEngine):
         """The rows with proposals: the tokens accepted and one more, appended, and counted in the
         cache but the last (which the next step computes). A check launched ahead whose sequence
         had a proposal rejected meanwhile is dropped unread (its rows at the wrong positions)."""
-        if not any(not seq.done and seq.num_cached == base for seq, base in zip(step.verifying, step.bases)):
+        standing = step.standing()
+        if not any(standing):
             return []
         sampled = []
         for seq, tokens in self.speculator.check(step.verifying, step.drafts, step.draft_logits, step.chosen(),
-                                                 step.bases):
+                                                 standing):
             kept = []
             for token in tokens:
                 kept.append(token)

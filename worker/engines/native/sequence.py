@@ -155,11 +155,8 @@ class Step:
         if self.rows is None:
             self.rows = Rows(self.ready)
         self.tokens, self.logprobs = choose(self.logits, self.rows, grammars)
-        self.host_tokens, self.logits = self.tokens, None
-        if self.tokens.is_cuda:
-            self.copied = torch.cuda.Event()
-            self.host_tokens = self.tokens.to("cpu", non_blocking=True)
-            self.copied.record()
+        self.logits = None
+        self.host_tokens, self.copied = to_host(self.tokens)
         return self
 
     def check(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]], bases: list[int]) -> None:
@@ -167,17 +164,28 @@ class Step:
         each): the greedy choice among them queued and its copy to the host; nothing waits."""
         self.verifying, self.drafts, self.bases, self.draft_logits = seqs, drafts, bases, logits
         if any(seq.request.sampling.is_greedy for seq in seqs):
-            self.targets = self.host_targets = logits.float().argmax(dim=-1)
-            if logits.is_cuda:
-                self.host_targets = self.targets.to("cpu", non_blocking=True)
-                self.targets_copied = torch.cuda.Event()
-                self.targets_copied.record()
+            self.targets = logits.float().argmax(dim=-1)
+            self.host_targets, self.targets_copied = to_host(self.targets)
+
+    def standing(self) -> list[bool]:
+        """For each checking row, whether it still stands: its sequence not ended, and its cache
+        where the step assumed (not so for a check launched ahead of one that rejected a proposal)."""
+        return [not seq.done and seq.num_cached == base for seq, base in zip(self.verifying, self.bases)]
 
     def chosen(self) -> list[int] | None:
         """`targets` on the host, once copied; None where not computed."""
         if self.targets_copied is not None:
             self.targets_copied.synchronize()
         return self.host_targets.tolist() if self.host_targets is not None else None
+
+
+def to_host(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """`tensor` being copied to the host, and the event that says the copy is done (None on the CPU)."""
+    if not tensor.is_cuda:
+        return tensor, None
+    host, copied = tensor.to("cpu", non_blocking=True), torch.cuda.Event()
+    copied.record()
+    return host, copied
 
 
 def pick(tensor: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -298,14 +298,14 @@ class Speculator:
         return False
 
     def check(self, seqs: list[Sequence], drafts: list[list[int]], logits: torch.Tensor,
-              chosen: list[int] | None = None, bases: list[int] | None = None) -> list[tuple[Sequence, list[int]]]:
+              chosen: list[int] | None = None, standing: list[bool] | None = None) -> list[tuple[Sequence, list[int]]]:
         """(sequence, the tokens it appends) for the rows with proposals of a step just read (verify
-        takes the arguments it shares), the counters and their proposers told. Left out: the ended
-        sequences, and with `bases` (each row's first position) those whose cache is no longer
-        there, a step launched ahead of a check that rejected a proposal (ahead.checks)."""
+        takes the arguments it shares), the counters and their proposers told. Left out: the rows
+        not `standing` (Step.standing; by default, those of ended sequences)."""
         checked = []
-        for i, (seq, draft, tokens) in enumerate(zip(seqs, drafts, verify(logits, seqs, drafts, chosen))):
-            if seq.done or bases is not None and seq.num_cached != bases[i]:
+        standing = standing if standing is not None else [not seq.done for seq in seqs]
+        for seq, draft, tokens, stands in zip(seqs, drafts, verify(logits, seqs, drafts, chosen), standing):
+            if not stands:
                 continue
             self.drafts, self.proposed, self.accepted = self.drafts + 1, self.proposed + len(draft), \
                 self.accepted + len(tokens) - 1
