@@ -314,19 +314,20 @@ def test_speculation_settings_are_checked(embedded_model, args, key):
 async def test_steps_launched_ahead_through_a_double_of_the_graphs_give_the_same_tokens(embedded_model, monkeypatch):
     """With a TEST DOUBLE of the CUDA graphs (tests/doubles/graphs.py: their steps run eagerly on the
     CPU), steps go ahead of their predecessors' tokens as on CUDA (worker/engines/native/ahead.py):
-    decodes, checks as if every proposal of the check before were accepted, and such checks dropped
-    after a rejection. Greedy tokens are those of speculation off, alone and batched, and every
+    decodes, and checks with a run for each outcome of the check before, of which the one that
+    stands is kept: the whole draft accepted (the next proposals checked), or one rejected (the
+    token chosen there). Greedy tokens are those of speculation off, alone and batched, and every
     block comes back, after an abort with a check in flight too."""
     from tests.doubles.graphs import EagerGraphs
 
-    launched, dropped = [], []
+    launched, runs = [], []
     checks, decodes, verified = ahead.checks, ahead.decodes, NativeEngine._verified
     monkeypatch.setattr(ahead, "checks", lambda engine, step: launched.append(checks(engine, step)) or launched[-1])
     monkeypatch.setattr(ahead, "decodes", lambda engine, step: launched.append(decodes(engine, step)) or launched[-1])
 
     def spy(self, step):
-        if not step.launched_at:
-            dropped.extend(not seq.done and seq.num_cached != base for seq, base in zip(step.verifying, step.bases))
+        if not step.launched_at and any(step.drafts):  # a check launched ahead: (stands, checks proposals) a run
+            runs.extend(zip(step.standing(), map(bool, step.drafts)))
         return verified(self, step)
 
     monkeypatch.setattr(NativeEngine, "_verified", spy)
@@ -343,7 +344,8 @@ async def test_steps_launched_ahead_through_a_double_of_the_graphs_give_the_same
         assert list(together) == off
         kinds = {(step.verifying != [], step.launched_at) for step in launched if step is not None}
         assert kinds == {(False, 0.0), (True, 0.0)}, "decodes and checks both went ahead"
-        assert any(dropped) and not all(dropped), dropped
+        assert {(True, True), (True, False), (False, True), (False, False)} <= set(runs), \
+            "runs kept and dropped: after a whole draft accepted and after a rejection"
         assert engine.num_unfinished() == 0 and engine.blocks.num_free == engine.blocks.num_blocks
         before, aborted = len(launched), False
         stream = engine.stream_predict(requests_for(engine, True, max_tokens=400, ignore_eos=True)[3])

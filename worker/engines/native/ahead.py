@@ -3,11 +3,13 @@ of the step running reach the host, fed with those tokens on the device, so that
 for a step runs while the device computes the one before.
 
 Two kinds: the decode step after a step whose every row samples (decodes), and the check after a
-step of checks only, as if each of its proposals were accepted (checks). Both go through the CUDA
+step of checks only, with a run for each number of its proposals that may be accepted (checks). Both go through the CUDA
 graphs. `engine`: a loaded NativeEngine on its engine thread.
 """
 
 from __future__ import annotations
+
+import itertools
 
 from worker.engines.native.sequence import Step, pick
 from worker.engines.sampler import Rows
@@ -56,33 +58,48 @@ def decodes(engine, step: Step) -> Step | None:
 
 
 def checks(engine, step: Step) -> Step | None:
-    """The check after `step` (a step of checks only), as if each of its sequences' proposals were
-    accepted: its next row takes the token the model chose after its last proposal (on the
-    device), then what follows in the source of its proposals (Proposer.follow). A sequence that
-    has a proposal rejected has these rows dropped when read (engine._verified); their slot writes
-    lie past its tokens, written again before anything reads them. Greedy sequences only (that
-    token is an argmax), with no prompt waiting to join.
-    At batch 1 on an H100 (SmolLM2, rewrites) a check scheduled once the one before was read came
-    every 1.37-1.40 ms, its host work and the device's one after the other."""
-    if engine.batcher.waiting or step.targets is None or not all(step.standing()):
+    """The check after `step` (a step of checks only), launched before its outcome is read: for
+    each sequence, the rows that stand of `step` (Step.standing) checked k proposals; the next step
+    holds a run for every outcome, j of them accepted (0 <= j <= k), each the model's token after
+    proposal j (its argmax on the device) at the position it then takes. The run of j = k also
+    checks what follows in the source of the proposals (Proposer.follow). When `step` is read, one
+    run of each sequence stands and the others are dropped unread: their slot writes lie past its
+    tokens (written again before anything reads them), or are its own tokens again. So a rejected
+    proposal costs no step of its own, nor does it end the chain for the batch: a check that
+    assumed every proposal accepted was dropped after a rejection, and a step scheduled for the
+    token chosen there (a quarter of the time at batch 1 on an H100, SmolLM2 rewrites); at batch 8
+    the rewrites went from 1.33x to 1.60x (medians of six runs), batch 1 unchanged within the runs'
+    spread. Greedy sequences only (that token is an argmax), with no prompt waiting to join; a step
+    of sequences none of which proposes may be scheduled instead (Speculator.schedules_next), so
+    that they propose again."""
+    if engine.batcher.waiting or step.targets is None:
         return None
-    blocks, positions, drafts, pending, at = engine.blocks, [], [], [], 0
-    for seq, draft, base in zip(step.verifying, step.drafts, step.bases):
-        position = base + len(draft) + 1  # of the token after the draft's
-        if not seq.request.sampling.is_greedy or not seq.proposer.active or position + 1 >= seq.end:
-            return None  # (not greedy, paused, or the token after the draft's is its last)
-        follow = seq.proposer.follow(seq.tokens, seq.end - position - 2)  # k at most, as a whole check's
-        if not blocks.can_grow(seq.blocks, position + 1 + len(follow)):
+    standing = step.standing()
+    if sum(standing) != len({id(seq) for seq in step.verifying}):  # one ended, or its outcome has no run
+        return None
+    starts = list(itertools.accumulate((1 + len(draft) for draft in step.drafts), initial=0))
+    live = [(step.verifying[i], step.drafts[i], step.bases[i], starts[i]) for i, stands in enumerate(standing) if stands]
+    if any(not seq.request.sampling.is_greedy or base + len(draft) + 2 >= seq.end for seq, draft, base, _ in live):
+        return None  # (not greedy, or the token after the draft's may be its last)
+    if (not any(draft for _, draft, _, _ in live) and any(seq.proposer.active for seq, _, _, _ in live)
+            and engine.speculator.schedules_next()):
+        return None
+    follows = [seq.proposer.follow(seq.tokens, seq.end - base - len(draft) - 3) if draft and seq.proposer.active else []
+               for seq, draft, base, _ in live]  # k at most, as a whole check's
+    if sum(len(draft) + 1 + len(follow) for (_, draft, _, _), follow in zip(live, follows)) > engine.graphs.max_batch:
+        return None
+    blocks, seqs, positions, drafts, pending = engine.blocks, [], [], [], []
+    for (seq, draft, base, at), follow in zip(live, follows):
+        if not blocks.can_grow(seq.blocks, base + len(draft) + 2 + len(follow)):
             return None
-        blocks.grow(seq.blocks, position + 1 + len(follow))
-        positions.append(position)
-        drafts.append(follow)
-        pending.append(at + len(draft))
-        at += 1 + len(draft)
-    if len(drafts) + sum(map(len, drafts)) > engine.graphs.max_batch:
-        return None
-    seqs = step.verifying
-    tokens = step.targets[pending[0]:pending[0] + 1] if len(seqs) == 1 else pick(step.targets, pending)
+        blocks.grow(seq.blocks, base + len(draft) + 2 + len(follow))
+        for accepted in range(len(draft) + 1):
+            seqs.append(seq)
+            positions.append(base + accepted + 1)
+            drafts.append(follow if accepted == len(draft) else [])
+            pending.append(at + accepted)
+    tokens = step.targets[pending[0]:pending[0] + 1] if len(pending) == 1 else pick(step.targets, pending)
     ahead = Step([(seq, 1 + len(draft)) for seq, draft in zip(seqs, drafts)])
     ahead.check(engine.graphs.checks(seqs, positions, drafts, blocks.block_size, tokens), seqs, drafts, positions)
     return ahead
+

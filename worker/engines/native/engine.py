@@ -126,8 +126,9 @@ class NativeEngine(ThreadedEngine):
         if self.device.type == "cuda" and not self.args["enforce_eager"]:
             from worker.engines.native.graphs import DecodeGraphs
 
-            seqs = int(self.args["max_num_seqs"])  # rows: a sequence with k proposals runs 1 + k of them
-            rows = min(seqs * (1 + self.speculator.settings.num_tokens), max(seqs, 256))
+            # Rows: a sequence checking k proposals runs 1 + k of them, and after it 1 + 2k (ahead.checks).
+            seqs = int(self.args["max_num_seqs"])
+            rows = min(seqs * (1 + 2 * self.speculator.settings.num_tokens), max(seqs, 256))
             self.graphs = DecodeGraphs(self.model, self.k_cache, self.v_cache, rows,
                                        -(-max_model_len // block_size), block_size, num_blocks * block_size)
             self.decode_rows = DecodeRows.in_graphs(self.model.weight_bytes(), bytes_per_block // block_size)
@@ -229,9 +230,9 @@ class NativeEngine(ThreadedEngine):
                 if step.launched_at:
                     self.speculator.step_cost.record(rows, self.last_step_at - step.launched_at - ahead_s)
                 if self.overlap and not self.batcher.waiting and self.last_step_at - previous < 1.0:  # (not after idling)
-                    chained = not step.launched_at and not step.verifying  # (checks launched ahead: proposing)
+                    chained = not step.launched_at and not any(step.drafts)  # (checks launched ahead: proposing)
                     self.speculator.record_period(chained, sum(len(t) for _, t in self._pending),
-                                                  len(step.scheduled), self.last_step_at - previous)
+                                                  len({id(seq) for seq, _ in step.scheduled}), self.last_step_at - previous)
             if step.flops:  # priced: it may have prefilled
                 self.pacer.record(step.flops, self.last_step_at - step.launched_at, prefilled)
             step = ahead

@@ -307,10 +307,11 @@ class Speculator:
         for seq, draft, tokens, stands in zip(seqs, drafts, verify(logits, seqs, drafts, chosen), standing):
             if not stands:
                 continue
-            self.drafts, self.proposed, self.accepted = self.drafts + 1, self.proposed + len(draft), \
-                self.accepted + len(tokens) - 1
-            seq.proposer.record(len(tokens) - 1, len(draft))
-            self.recent = 0.98 * self.recent + 0.02 * (len(tokens) - 1)
+            if draft:  # (a run of a check launched ahead may have none: the token after a rejection)
+                self.drafts, self.proposed, self.accepted = self.drafts + 1, self.proposed + len(draft), \
+                    self.accepted + len(tokens) - 1
+                seq.proposer.record(len(tokens) - 1, len(draft))
+                self.recent = 0.98 * self.recent + 0.02 * (len(tokens) - 1)
             checked.append((seq, tokens))
         return checked
 
