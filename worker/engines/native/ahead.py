@@ -3,8 +3,8 @@ of the step running reach the host, fed with those tokens on the device, so that
 for a step runs while the device computes the one before.
 
 Two kinds: the decode step after a step whose every row samples (decodes), and the check after a
-step of checks only, with a run for each number of its proposals that may be accepted (checks). Both go through the CUDA
-graphs. `engine`: a loaded NativeEngine on its engine thread.
+step of checks only, with a run for each number of its proposals that may be accepted (checks).
+Both go through the CUDA graphs. `engine`: a loaded NativeEngine on its engine thread.
 """
 
 from __future__ import annotations
@@ -78,7 +78,8 @@ def checks(engine, step: Step) -> Step | None:
     if sum(standing) != len({id(seq) for seq in step.verifying}):  # one ended, or its outcome has no run
         return None
     starts = list(itertools.accumulate((1 + len(draft) for draft in step.drafts), initial=0))
-    live = [(step.verifying[i], step.drafts[i], step.bases[i], starts[i]) for i, stands in enumerate(standing) if stands]
+    live = [(step.verifying[i], step.drafts[i], step.bases[i], starts[i])
+            for i, stands in enumerate(standing) if stands]  # (sequence, draft, first position, first row)
     if any(not seq.request.sampling.is_greedy or base + len(draft) + 2 >= seq.end for seq, draft, base, _ in live):
         return None  # (not greedy, or the token after the draft's may be its last)
     if (not any(draft for _, draft, _, _ in live) and any(seq.proposer.active for seq, _, _, _ in live)
@@ -102,4 +103,3 @@ def checks(engine, step: Step) -> Step | None:
     ahead = Step([(seq, 1 + len(draft)) for seq, draft in zip(seqs, drafts)])
     ahead.check(engine.graphs.checks(seqs, positions, drafts, blocks.block_size, tokens), seqs, drafts, positions)
     return ahead
-
