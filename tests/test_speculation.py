@@ -4,6 +4,7 @@ with speculation on and off, and every block back after an abort or a deadline i
 speculating stream."""
 
 import asyncio
+import collections
 
 import pytest
 import torch
@@ -326,8 +327,9 @@ async def test_steps_launched_ahead_through_a_double_of_the_graphs_give_the_same
     monkeypatch.setattr(ahead, "decodes", lambda engine, step: launched.append(decodes(engine, step)) or launched[-1])
 
     def spy(self, step):
-        if not step.launched_at and any(step.drafts):  # a check launched ahead: (stands, checks proposals) a run
-            runs.extend(zip(step.standing(), map(bool, step.drafts)))
+        if not step.launched_at and any(step.drafts):  # a check launched ahead: for each of its sequences' runs,
+            counts = collections.Counter(map(id, step.verifying))  # (stands, checks proposals, not its only run)
+            runs.extend(zip(step.standing(), map(bool, step.drafts), (counts[id(seq)] > 1 for seq in step.verifying)))
         return verified(self, step)
 
     monkeypatch.setattr(NativeEngine, "_verified", spy)
@@ -344,7 +346,7 @@ async def test_steps_launched_ahead_through_a_double_of_the_graphs_give_the_same
         assert list(together) == off
         kinds = {(step.verifying != [], step.launched_at) for step in launched if step is not None}
         assert kinds == {(False, 0.0), (True, 0.0)}, "decodes and checks both went ahead"
-        assert {(True, True), (True, False), (False, True), (False, False)} <= set(runs), \
+        assert {(True, True, True), (True, False, True), (False, True, True), (False, False, True)} <= set(runs), \
             "runs kept and dropped: after a whole draft accepted and after a rejection"
         assert engine.num_unfinished() == 0 and engine.blocks.num_free == engine.blocks.num_blocks
         before, aborted = len(launched), False
