@@ -232,7 +232,7 @@ class NativeEngine(ThreadedEngine):
                 if self.overlap and not self.batcher.waiting and self.last_step_at - previous < 1.0:  # (not after idling)
                     chained = not step.launched_at and not any(step.drafts)  # (checks launched ahead: proposing)
                     self.speculator.record_period(chained, sum(len(t) for _, t in self._pending),
-                                                  len({id(seq) for seq, _ in step.scheduled}), self.last_step_at - previous)
+                                                  step.num_seqs, self.last_step_at - previous)
             if step.flops:  # priced: it may have prefilled
                 self.pacer.record(step.flops, self.last_step_at - step.launched_at, prefilled)
             step = ahead
@@ -344,8 +344,8 @@ class NativeEngine(ThreadedEngine):
 
     def _verified(self, step: Step) -> list[tuple[Sequence, list[int]]]:
         """The rows with proposals: the tokens accepted and one more, appended, and counted in the
-        cache but the last (which the next step computes). A check launched ahead whose sequence
-        had a proposal rejected meanwhile is dropped unread (its rows at the wrong positions)."""
+        cache but the last (which the next step computes). The runs of a check launched ahead
+        that assumed another outcome of the check before are dropped unread (Step.standing)."""
         standing = step.standing()
         if not any(standing):
             return []

@@ -144,6 +144,11 @@ class Step:
     targets_copied: torch.cuda.Event | None = None
 
     @property
+    def num_seqs(self) -> int:
+        """Sequences it runs: a check launched ahead has several runs of one (ahead.checks)."""
+        return len({id(seq) for seq, _ in self.scheduled}) if self.verifying else len(self.scheduled)
+
+    @property
     def prefilled(self) -> int:
         """Prompt tokens it computes: its rows of more than one token that check no proposals."""
         checking = {id(seq) for seq in self.verifying}
