@@ -15,9 +15,11 @@ by its decode rate (tokens after each stream's first over the time after it: pre
 batch 8 by completion tokens over the wall time, what a server at that concurrency serves (a
 static batch of 8 waits for its longest stream, which speculation shortens only when that stream
 repeats itself). Acceptance:
-accepted / proposed tokens, from the engine's counters. lookup_bound: the share of the output tokens
-(speculation off) that follow an n-gram (n = speculative_ngram_min) met earlier in their prompt or
-output and followed there by the same token; n-gram proposals can have no more accepted.
+accepted / proposed tokens, from the engine's counters. partings: where streams that are not
+identical first part, and the gap between the two most likely tokens there. lookup_bound: the
+share of the output tokens (speculation off) that follow an n-gram (n = speculative_ngram_min) met
+earlier in their prompt or output and followed there by the same token; n-gram proposals can have
+no more accepted.
 
 Writes bench/results/speculation_<device>[_<dtype> unless float32].json and .png.
 
@@ -125,7 +127,9 @@ def main() -> int:
         print(f"{row['workload']:8s} batch {row['batch']}: off {row['off_tokens_per_s']:.1f}, on {row['on_tokens_per_s']:.1f} "
               f"tok/s, speedup {row['speedup']:.2f} {row['speedups']}, acceptance {row['acceptance']:.2f}, "
               f"{row['tokens_per_verify']:.2f} tokens a verify, lookup bound {row['lookup_bound']:.2f}, "
-              f"identical {row['identical']}")
+              f"identical {row['identical']}"
+              + (f" (partings: top-2 gaps up to {max(p['top_2_gap'] for p in row['partings']):.3f} nats)"
+                 if row["partings"] else ""))
     return 0
 
 
@@ -199,6 +203,24 @@ async def measure(folder: Path, options, batches: list[int]) -> tuple[list[dict]
                 "lengths": [len(t) for t, _, _ in replies], "outputs": [t for t, _, _ in replies], "prompts": prompt_ids,
                 "verifies": after[0] - before[0], "proposed": after[1] - before[1], "accepted": after[2] - before[2]}
 
+    async def partings(off_runs: list[dict], on_runs: list[dict]) -> list[dict]:
+        """Where greedy streams with speculation on first part from their twins with it off: the
+        token's index and the gap between the two most likely tokens there, in nats, as a step of
+        speculation off scores it (a near tie: rows of a check sum in another order than a one-row
+        step, docs/native.md)."""
+        found = {}
+        for off, on in zip(off_runs, on_runs):
+            for stream, (prompt, a, b) in enumerate(zip(off["prompts"], off["outputs"], on["outputs"])):
+                at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                if a == b or (stream, at) in found:
+                    continue
+                req = GenerationRequest(request_id=f"parting-{stream}-{at}", prompt_token_ids=prompt + a[:at],
+                                        speculative=False, logprobs=2, sampling=SamplingParams(max_tokens=1))
+                engine.prepare(req)
+                top = [o.logprobs[0].top async for o in engine.stream_predict(req) if o.logprobs][0]
+                found[stream, at] = {"stream": stream, "token": at, "top_2_gap": round(top[0][1] - top[1][1], 4)}
+        return list(found.values())
+
     try:
         for on in (False, True):  # warm both paths
             await run("rewrite", max(batches), on)  # (16 requests)
@@ -226,6 +248,7 @@ async def measure(folder: Path, options, batches: list[int]) -> tuple[list[dict]
                     "tokens_per_verify": (accepted + verifies) / verifies if verifies else 0.0,
                     "proposed": proposed, "accepted": accepted, "verifies": verifies,
                     "identical": all(a["outputs"] == b["outputs"] for a, b in zip(runs[False], runs[True])),
+                    "partings": await partings(runs[False], runs[True]),
                     "lookup_bound": lookup_bound(runs[False][0]["prompts"], runs[False][0]["outputs"],
                                                  engine.speculator.settings.ngram_min),
                     "lengths": runs[False][0]["lengths"]})
