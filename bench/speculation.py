@@ -205,9 +205,10 @@ async def measure(folder: Path, options, batches: list[int]) -> tuple[list[dict]
 
     async def partings(off_runs: list[dict], on_runs: list[dict]) -> list[dict]:
         """Where greedy streams with speculation on first part from their twins with it off: the
-        token's index and the gap between the two most likely tokens there, in nats, as a step of
-        speculation off scores it (a near tie: rows of a check sum in another order than a one-row
-        step, docs/native.md)."""
+        token's index and the gap between the two most likely tokens there, in nats, from a request
+        of one token (top-2 logprobs) whose prompt is the stream so far: a prompt's last row, not a
+        decode step's, so a gap of 0 is a tie at that row's rounding (why near ties part:
+        docs/native.md)."""
         found = {}
         for off, on in zip(off_runs, on_runs):
             for stream, (prompt, a, b) in enumerate(zip(off["prompts"], off["outputs"], on["outputs"])):
