@@ -75,7 +75,7 @@ def checks(engine, step: Step) -> Step | None:
     if engine.batcher.waiting or step.targets is None:
         return None
     standing = step.standing()
-    if sum(standing) != len({id(seq) for seq in step.verifying}):  # one ended, or its outcome has no run
+    if sum(standing) != step.num_seqs:  # one ended, or its outcome has no run
         return None
     starts = list(itertools.accumulate((1 + len(draft) for draft in step.drafts), initial=0))
     live = [(step.verifying[i], step.drafts[i], step.bases[i], starts[i])
