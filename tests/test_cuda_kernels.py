@@ -96,6 +96,20 @@ def test_triton_rope_and_store_matches_the_torch_path(dtype):
 
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton embedding kernel runs on CUDA")
+def test_the_embedding_and_angles_kernel_matches_the_torch_path():
+    from worker.engines.native.elementwise import _embed_triton, embed
+
+    torch.manual_seed(0)
+    weight = torch.randn(1000, 576, device="cuda", dtype=torch.bfloat16)  # SmolLM2's width: not a power of 2
+    rotations = torch.randn(2, 4096, 64, device="cuda", dtype=torch.bfloat16)
+    for tokens in (1, 16, 300):
+        ids, positions = torch.randint(0, 1000, (tokens,), device="cuda"), torch.randint(0, 4096, (tokens,), device="cuda")
+        for got, want in zip(_embed_triton(ids, positions, weight, rotations), embed(ids, positions, weight, rotations)):
+            assert got.shape == want.shape and got.stride() == want.stride() and torch.equal(got, want)
+
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton norm and SiLU kernels run on CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_norm_and_silu_match_the_torch_path(dtype):

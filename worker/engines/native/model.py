@@ -195,8 +195,7 @@ class LlamaModel(nn.Module):
         what it must; at batch 256 a float copy here was 4% of a decode step)."""
         if batch.prefills is None:
             batch.prepare(self.config.head_dim)
-        x = self.embed_tokens(batch.input_ids)
-        cos, sin = self.rotations.index_select(1, batch.positions)[:, :, None, :]  # each (T, 1, D)
+        x, cos, sin = self.ops.embed(batch.input_ids, batch.positions, self.embed_tokens.weight, self.rotations)
         if self.decode_weights is not None and not batch.prefills and not batch.fresh:
             x, residual = kernels.decode_layers(x, self.decode_weights, k_caches, v_caches, cos, sin, batch.slots,
                                                 batch.decode_tables, batch.decode_lens, batch.block_size)
