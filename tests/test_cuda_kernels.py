@@ -96,6 +96,48 @@ def test_triton_rope_and_store_matches_the_torch_path(dtype):
 
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton decode kernel runs on CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotating_and_writing_inside_the_decode_kernel_gives_the_two_kernels_bits(dtype):
+    """rope_store_and_decode against rope_and_store then decode_attention: the same caches to the
+    bit, and the same output (to the bit in fp32; in bf16 within rounding, the products of the
+    rotated q, joined from its halves in registers, summing in another order), for contexts split in
+    parts and not, a new token that opens a block, and padding rows (length 0), whose K/V the one
+    kernel writes nowhere. Each row a sequence of its own, with blocks of its own, as in a step of
+    decodes."""
+    from worker.engines.native.attention import decode_attention, rope_and_store, rope_store_and_decode
+    from worker.engines.native.elementwise import rotate
+
+    torch.manual_seed(0)
+    block_size, width, heads, kv_heads, dim = 16, 48, 32, 8, 64  # Llama-1B's heads
+    lens = torch.tensor([1, 17, 256, 700, 0, 33], device="cuda")  # 700: split in parts; 33: opens a block
+    for copies in (1, 1, 8):  # 6 rows split their contexts (twice: the parts' counts reset); 48 do not
+        rows = len(lens) * copies
+        row_lens = lens.repeat(copies)
+        tables = torch.randperm(rows * width, device="cuda").view(rows, width).to(torch.int32)
+        scratch = rows * width * block_size
+        k_cache = torch.randn(scratch + block_size, kv_heads, dim, device="cuda", dtype=dtype)
+        v_cache = torch.randn_like(k_cache)
+        positions = (row_lens - 1).clamp(min=0)
+        slots = tables.gather(1, (positions // block_size)[:, None])[:, 0].long() * block_size + positions % block_size
+        slots = torch.where(row_lens > 0, slots, scratch)
+        qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, device="cuda", dtype=dtype)  # views, as in the model
+        q, k, v = (x.reshape(rows, -1, dim) for x in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1))
+        angles = torch.randn(rows, 1, dim // 2, device="cuda").repeat(1, 1, 2)
+        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        want_k, want_v = k_cache.clone(), v_cache.clone()
+        rotated, _ = rope_and_store(q, k, v, cos, sin, want_k, want_v, slots, rotate)
+        want = decode_attention(rotated, want_k, want_v, tables, row_lens, block_size)
+        got_k, got_v = k_cache.clone(), v_cache.clone()
+        got = rope_store_and_decode(q, k, v, cos, sin, got_k, got_v, slots, tables, row_lens, block_size)
+        if dtype == torch.float32:
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+        assert torch.equal(got_k[:scratch], want_k[:scratch]) and torch.equal(got_v[:scratch], want_v[:scratch])
+        assert torch.equal(got_k[scratch:], k_cache[scratch:])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton embedding kernel runs on CUDA")
 def test_the_embedding_and_angles_kernel_matches_the_torch_path():
     from worker.engines.native.elementwise import _embed_triton, embed

@@ -168,6 +168,46 @@ async def test_speculation_gives_the_same_tokens_on_cuda(tiny_llama, eager):
         await engine.unload_model()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the graphs of distinct rows run on CUDA")
+async def test_steps_of_many_decodes_rotate_and_write_inside_attention_with_the_same_tokens(tiny_llama, monkeypatch):
+    """Decode steps of graphs.DISTINCT_MIN_ROWS sequences and more run the graphs whose attention
+    kernel rotates and writes each row's K/V itself: greedy and seeded tokens are those of an engine
+    without such graphs, batched the same, and every block comes back."""
+    from worker.engines.native import graphs
+
+    config = load_config(None, {"HOME": "/tmp"}, {"engine.name": "native", "engine.model": str(tiny_llama),
+                                                  "engine.dtype": "float32", "engine.device": "cuda"})
+    prompts = [[2 + (7 * i + 3 * j) % 500 for j in range(5 + i)] for i in range(20)]
+    seen, run = [], graphs.DecodeGraphs.run
+
+    def spy(self, n, width, input_ids=None, distinct=False):  # whether a step ran a graph of distinct rows
+        seen.append(distinct and (next(s for s in self.sizes if s >= n), True) in self.graphs)
+        return run(self, n, width, input_ids, distinct)
+
+    async def tokens(engine: NativeEngine, **sampling) -> list[list[int]]:
+        async def one(index: int) -> list[int]:
+            request = GenerationRequest(request_id=f"d{index}", prompt_token_ids=prompts[index],
+                                        sampling=SamplingParams(max_tokens=40, ignore_eos=True, **sampling))
+            return [t async for out in engine.stream_predict(request) for t in out.token_ids]
+        return list(await asyncio.gather(*(one(i) for i in range(len(prompts)))))
+
+    monkeypatch.setattr(graphs.DecodeGraphs, "run", spy)
+    results, ran = [], []
+    for min_rows in (graphs.DISTINCT_MIN_ROWS, 1 << 30):
+        monkeypatch.setattr(graphs, "DISTINCT_MIN_ROWS", min_rows)
+        engine = NativeEngine(config)
+        await engine.load_model()
+        seen.clear()
+        try:
+            results.append([await tokens(engine), await tokens(engine, temperature=0.8, top_k=50, seed=3)])
+            assert engine.num_unfinished() == 0 and engine.blocks.num_free == engine.blocks.num_blocks
+        finally:
+            await engine.unload_model()
+        ran.append(sum(seen))
+    assert ran[0] >= 40 and ran[1] == 0  # most of the two runs' ~80 decode steps, then none
+    assert results[0] == results[1]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="checks are launched ahead through the graphs")
 async def test_checks_launched_ahead_give_the_same_tokens_whatever_the_outcome(tiny_llama, monkeypatch):
     """A step of greedy checks has the next check launched before its tokens are read, with a run

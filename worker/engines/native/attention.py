@@ -9,7 +9,9 @@ Caches are (slots, kv_heads, head_dim) per layer, slot = block * block_size + of
   that walks the block table (one program per sequence and KV head, all the query heads of that KV
   head together, online softmax; at small batches one per part of each context, the parts combined
   by the last part to finish), which also runs inside a CUDA graph; elsewhere a batched gather of blocks.
-  On CPUs the C++ kernel of kernels.py once built, which reads the blocks in place.
+  On CPUs the C++ kernel of kernels.py once built, which reads the blocks in place. With each row
+  a sequence of its own, the same kernel can take the rotary embedding and cache write too
+  (`rope_store_and_decode`).
   A step that mixes both runs each on its own rows.
 """
 
@@ -142,6 +144,18 @@ def _after_cached_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torc
     return merged.to(q.dtype).transpose(0, 1)
 
 
+def rope_store_and_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
+                          lens: torch.Tensor, block_size: int) -> torch.Tensor:
+    """rope_and_store then decode_attention in one Triton kernel (CUDA), for a step whose rows are
+    each a different sequence's one new token: no row reads another's K/V, so the part of each
+    (sequence, KV head) that reads the new token's position rotates and writes it first. q (B, H, D),
+    k and v (B, kv_heads, D) as the qkv projection leaves them (views of its rows, unrotated); cos,
+    sin (B, 1, D). graphs.DISTINCT_MIN_ROWS says where it pays."""
+    return _decode_triton(q, k_cache, v_cache, tables, lens, block_size,
+                          rope=(k, v, cos.reshape(len(q), -1), sin.reshape(len(q), -1), slots))
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                      lens: torch.Tensor, block_size: int, gather: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """q (B, H, D), one token per sequence; tables (B, max_blocks) int32; lens (B,) context
@@ -198,12 +212,17 @@ def _arrivals(device: torch.device) -> torch.Tensor:
     return _ARRIVALS[device]
 
 
-def _decode_triton(q, k_cache, v_cache, tables, lens, block_size):
+def _decode_triton(q, k_cache, v_cache, tables, lens, block_size, rope=None):
+    """rope: (k, v, cos, sin, slots) of the step's new tokens, each row its own sequence's
+    (rope_store_and_decode); q then unrotated."""
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
     group_pad = max(16, triton.next_power_of_2(group))
-    out = torch.empty_like(q)
+    out = torch.empty(batch, heads, dim, dtype=q.dtype, device=q.device)
+    new_k, new_v, cos, sin, slots = rope or (q, q, q, q, lens)
+    if rope is not None:
+        assert new_k.stride(1) == new_v.stride(1) == dim and new_k.stride(0) == new_v.stride(0) and cos.stride(-1) == 1
     tile_blocks = max(1, 64 // block_size)
     # Few sequences make few programs, each walking its whole context: split every context in up
     # to MAX_SPLITS parts (flash-decoding), then combine the parts; contexts of up to WHOLE_TILES
@@ -218,10 +237,11 @@ def _decode_triton(q, k_cache, v_cache, tables, lens, block_size):
     # contexts), 191.8 to 186.5 (1,024); batch 16, 6.6 to 6.4.
     _decode_kernel[(kv_heads, batch, splits)](
         q, k_cache, v_cache, out, tables, lens, dim ** -0.5, *partial, _arrivals(q.device) if splits > 1 else lens,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), tables.stride(0),
+        new_k, new_v, cos, sin, slots, q.stride(0), q.stride(1), out.stride(0), k_cache.stride(0), k_cache.stride(1),
+        tables.stride(0), new_k.stride(0), cos.stride(0),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=dim, BLOCK=block_size,
         TILE=block_size * tile_blocks, IEEE=q.dtype == torch.float32, SPLITS=splits, WHOLE_TILES=WHOLE_TILES,
-        PDL=early, num_warps=4, num_stages=DECODE_STAGES, launch_pdl=early)
+        ROPE=rope is not None, PDL=early, num_warps=4, num_stages=DECODE_STAGES, launch_pdl=early)
     return out
 
 
@@ -270,15 +290,22 @@ if triton is not None:
         tl.store(v_cache_ptr + slot * stride_cs + kv[:, None] * stride_ch + dims[None, :], value, mask=mask)
 
     @triton.jit
+    def _whole(first, second, ROWS: tl.constexpr, DIM: tl.constexpr):
+        """_rotate_half's two (ROWS, DIM / 2) halves side by side: (ROWS, DIM)."""
+        return tl.reshape(tl.permute(tl.join(first, second), (0, 2, 1)), (ROWS, DIM))
+
+    @triton.jit
     def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, scale, max_ptr, total_ptr, acc_ptr,
-                       arrivals_ptr, stride_qt, stride_qh, stride_ks, stride_kh, stride_table,
+                       arrivals_ptr, new_k_ptr, new_v_ptr, cos_ptr, sin_ptr, slots_ptr, stride_qt, stride_qh,
+                       stride_ot, stride_ks, stride_kh, stride_table, stride_nt, stride_cos,
                        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                        BLOCK: tl.constexpr, TILE: tl.constexpr, IEEE: tl.constexpr, SPLITS: tl.constexpr,
-                       WHOLE_TILES: tl.constexpr, PDL: tl.constexpr):
+                       WHOLE_TILES: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr):
         """One (sequence, KV head, part of the context). With SPLITS > 1 it writes the part's
         running max, sum and unnormalized output, shapes (B, kv_heads, SPLITS, GROUP_PAD[, D]),
         and the last part to finish combines them: in one kernel, a context too short to split
-        costs no second launch."""
+        costs no second launch. ROPE: q is unrotated, and the new token's k (unrotated) and v are
+        at new_k_ptr / new_v_ptr, row stride stride_nt, to be written at the row's slot."""
         kv_head = tl.program_id(0)
         seq = tl.program_id(1)
         split = tl.program_id(2)
@@ -297,10 +324,32 @@ if triton is not None:
         # which no kernel of the layer writes (pdl.py); the K/V in them may be this step's.
         first_blocks = tl.load(tables_ptr + seq * stride_table + (first_tile * TILE + t) // BLOCK,
                                mask=first_tile * TILE + t < length, other=0)
+        if ROPE:  # the step's angles and slots too
+            half = tl.arange(0, HEAD_DIM // 2)
+            angles = seq * stride_cos + half
+            cos1 = tl.load(cos_ptr + angles).to(tl.float32)[None, :]
+            cos2 = tl.load(cos_ptr + angles + HEAD_DIM // 2).to(tl.float32)[None, :]
+            sin1 = tl.load(sin_ptr + angles).to(tl.float32)[None, :]
+            sin2 = tl.load(sin_ptr + angles + HEAD_DIM // 2).to(tl.float32)[None, :]
+            slot = tl.load(slots_ptr + seq).to(tl.int64)
         pdl.wait_for_previous(PDL)
         heads = kv_head * GROUP + g
-        q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                    mask=(g < GROUP)[:, None], other=0.0)
+        if ROPE:  # q and the new token's k rotated as _rope_store_kernel rotates them, rounded as it stores them
+            q1, q2 = _rotate_half(q_ptr + seq * stride_qt, cos1, sin1, cos2, sin2, heads * stride_qh, half,
+                                  (g < GROUP)[:, None], HEAD_DIM // 2)
+            q = _whole(q1, q2, GROUP_PAD, HEAD_DIM).to(q_ptr.dtype.element_ty)
+            if (last_tile == num_tiles) & (last_tile > first_tile):  # the part that reads the new position writes it
+                one = tl.zeros((1,), tl.int32)
+                k1, k2 = _rotate_half(new_k_ptr + seq * stride_nt + kv_head * HEAD_DIM, cos1, sin1, cos2, sin2, one,
+                                      half, one[:, None] == 0, HEAD_DIM // 2)
+                cached = slot * stride_ks + kv_head * stride_kh
+                tl.store(k_ptr + cached + half[None, :], k1.to(k_ptr.dtype.element_ty))
+                tl.store(k_ptr + cached + HEAD_DIM // 2 + half[None, :], k2.to(k_ptr.dtype.element_ty))
+                tl.store(v_ptr + cached + d, tl.load(new_v_ptr + seq * stride_nt + kv_head * HEAD_DIM + d))
+            tl.debug_barrier()  # the block's threads see those writes before they read its tiles
+        else:
+            q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=(g < GROUP)[:, None],
+                        other=0.0)
         m = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
         total = tl.zeros((GROUP_PAD,), tl.float32)
         acc = tl.zeros((GROUP_PAD, HEAD_DIM), tl.float32)
@@ -329,7 +378,7 @@ if triton is not None:
         if SPLITS == 1 or whole:
             if split == 0:
                 result = acc / tl.where(total > 0, total, 1.0)[:, None]
-                tl.store(out_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                tl.store(out_ptr + seq * stride_ot + heads[:, None] * HEAD_DIM + d[None, :],
                          result.to(out_ptr.dtype.element_ty), mask=(g < GROUP)[:, None])
         else:
             part = ((seq * tl.num_programs(0) + kv_head) * SPLITS + split) * GROUP_PAD
@@ -340,12 +389,12 @@ if triton is not None:
             tl.debug_barrier()  # every thread's stores before the release of the arrival
             if tl.atomic_add(arrival, 1, sem="acq_rel") == SPLITS - 1:  # the others' stores are visible now
                 tl.debug_barrier()
-                _combine(max_ptr, total_ptr, acc_ptr, out_ptr, seq, kv_head, tl.num_programs(0), stride_qt, stride_qh,
+                _combine(max_ptr, total_ptr, acc_ptr, out_ptr, seq, kv_head, tl.num_programs(0), stride_ot,
                          GROUP, GROUP_PAD, HEAD_DIM, SPLITS)
                 tl.atomic_xchg(arrival, 0)
 
     @triton.jit
-    def _combine(max_ptr, total_ptr, acc_ptr, out_ptr, seq, kv_head, kv_heads, stride_qt, stride_qh,
+    def _combine(max_ptr, total_ptr, acc_ptr, out_ptr, seq, kv_head, kv_heads, stride_ot,
                  GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr):
         """The parts of one (sequence, KV head) rescaled to their common max and summed, all parts
         loaded at once, past L1 (other SMs wrote them)."""
@@ -360,5 +409,5 @@ if triton is not None:
                      * weight[:, :, None], 0)
         result = acc / tl.where(total > 0, total, 1.0)[:, None]
         heads = kv_head * GROUP + g
-        tl.store(out_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :],
+        tl.store(out_ptr + seq * stride_ot + heads[:, None] * HEAD_DIM + d[None, :],
                  result.to(out_ptr.dtype.element_ty), mask=(g < GROUP)[:, None])

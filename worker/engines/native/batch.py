@@ -38,6 +38,9 @@ class Batch:
     decode_tables: torch.Tensor | None = None  # (N, max_blocks) int32, zero-padded
     decode_lens: torch.Tensor | None = None  # (N,) int32 context lengths
     decode_gather: tuple[torch.Tensor, torch.Tensor] | None = None  # without Triton or CPU kernels: see attention.decode_gather
+    distinct: bool = False
+    """Every row a decode of a sequence of its own (a CUDA graph's, with Triton): attention rotates and
+    writes each row's K/V itself (attention.rope_store_and_decode), no row reading another's."""
 
     def prepare(self, head_dim: int) -> Batch:
         """Per-step index work, done once here rather than in every layer."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from worker.engines.native.attention import triton
 from worker.engines.native.batch import Batch
 from worker.engines.native.model import LlamaModel
 from worker.engines.native.sequence import Sequence, logit_rows, pick
@@ -22,6 +23,13 @@ def graph_sizes(max_batch: int) -> list[int]:
     sizes = [size for size in (1, 2, 4, 8) if size <= max_batch] + list(range(16, max_batch + 1, 16))
     return sorted(set(sizes) | {max_batch})
 
+
+DISTINCT_MIN_ROWS = 16
+"""Steps of at least this many rows, each a sequence of its own, run graphs whose attention kernel
+rotates and writes each row's K/V itself (Batch.distinct): on an H200 (Llama-1B shape, 256-token
+contexts, alternated in one process) 1.099 against 1.144 ms a step at batch 16 and 1.327 against
+1.368 at 64, but 0.871 against 0.820 at batch 1, where the kernel's work after its wait is the
+step's latency (the new K/V written, then read back)."""
 
 ONE_COPY_BYTES = 1 << 20
 """Up to this, a step copies its block tables' rows whole with the packed rows (at 128k tokens of
@@ -50,23 +58,27 @@ class DecodeGraphs:
         self.host = HostInputs(largest, max_blocks, pin=True)
         self.copied = torch.cuda.Event()
         self.every_row = torch.arange(largest, device=device)  # every row is a last token
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        # Keyed (size, distinct): distinct graphs run steps whose rows are each a sequence of its own
+        # (decode()), with each row's rotary embedding and cache write inside its attention kernel
+        # (Batch.distinct); the others run rows of one sequence side by side (rows(), checks()).
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.logits: dict[tuple[int, bool], torch.Tensor] = {}
         pool = None
         side = torch.cuda.Stream(device)
         for size in reversed(self.sizes):  # largest first, so the smaller ones fit in its memory pool
-            batch = Batch(self.input_ids[:size], self.positions[:size], self.slots[:size], [], [], [],
-                          self.every_row[:size], block_size, prefills=[],
-                          decode_tables=self.tables[:size], decode_lens=self.lens[:size])
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):  # compiles the kernels and settles the allocator
-                model(batch, k_cache, v_cache)
-            torch.cuda.current_stream(device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.logits[size] = model(batch, k_cache, v_cache)
-            pool = graph.pool()
-            self.graphs[size] = graph
+            for distinct in (False, True) if triton is not None and size >= DISTINCT_MIN_ROWS else (False,):
+                batch = Batch(self.input_ids[:size], self.positions[:size], self.slots[:size], [], [], [],
+                              self.every_row[:size], block_size, prefills=[], decode_tables=self.tables[:size],
+                              decode_lens=self.lens[:size], distinct=distinct)
+                side.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(side):  # compiles the kernels and settles the allocator
+                    model(batch, k_cache, v_cache)
+                torch.cuda.current_stream(device).wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.logits[size, distinct] = model(batch, k_cache, v_cache)
+                pool = graph.pool()
+                self.graphs[size, distinct] = graph
         torch.cuda.synchronize(device)
 
     @property
@@ -79,7 +91,7 @@ class DecodeGraphs:
         still running, not yet on the host (the engine's launch-ahead)."""
         self.copied.synchronize()  # the last run's copies out of the host inputs are done
         n, width = self.host.fill(seqs, block_size, ahead=pending is not None)
-        return self.run(n, width, pending)
+        return self.run(n, width, pending, distinct=True)
 
     def rows(self, scheduled: list[tuple[Sequence, int]], block_size: int, ahead: list[Sequence] = (),
              pending: torch.Tensor | None = None) -> torch.Tensor:
@@ -114,11 +126,13 @@ class DecodeGraphs:
             at += len(draft)
         return logits if m == 1 else pick(logits, order)
 
-    def run(self, n: int, width: int, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def run(self, n: int, width: int, input_ids: torch.Tensor | None = None, distinct: bool = False) -> torch.Tensor:
         """Logits (n, vocab) of the n one-token decodes in rows [0, n) of the host inputs, whose block
         tables are at most `width` long; valid until the next run. `input_ids` (m,) on the device
-        replace the host inputs' token ids of the first m rows."""
+        replace the host inputs' token ids of the first m rows. `distinct`: every row is a sequence
+        of its own, through the graphs made for that where there are some."""
         size = next(s for s in self.sizes if s >= n)
+        distinct = distinct and (size, True) in self.graphs
         packed = self.host.packed.numpy()
         packed[:, n:size] = 0  # padding rows: length 0, their K/V written to the scratch slot
         packed[2, n:size] = self.scratch_slot
@@ -133,8 +147,8 @@ class DecodeGraphs:
         self.copied.record()
         if input_ids is not None:
             self.input_ids[:len(input_ids)].copy_(input_ids)
-        self.graphs[size].replay()
-        return self.logits[size][:n]
+        self.graphs[size, distinct].replay()
+        return self.logits[size, distinct][:n]
 
 
 class HostInputs:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from worker.engines.native import kernels
-from worker.engines.native.attention import decode_attention, prefill_attention, rope_and_store
+from worker.engines.native.attention import decode_attention, prefill_attention, rope_and_store, rope_store_and_decode
 from worker.engines.native.batch import Batch
 from worker.engines.native.elementwise import Elementwise
 from worker.engines.native.gemv import RowLinear, triton
@@ -124,12 +124,14 @@ class Attention(nn.Module):
         """The layer's attention output from its qkv projection (DecoderLayer runs qkv_proj with the norm)."""
         tokens = qkv.shape[0]
         q, k, v = qkv.split(self.sizes, dim=-1)
+        q = q.reshape(tokens, self.num_heads, self.head_dim)
+        k, v = (x.reshape(tokens, self.num_kv_heads, self.head_dim) for x in (k, v))
+        if batch.distinct:  # each row its own sequence's token (CUDA graphs): rotated and written inside attention
+            out = rope_store_and_decode(q, k, v, cos, sin, k_cache, v_cache, batch.slots, batch.decode_tables,
+                                        batch.decode_lens, batch.block_size)
+            return self.o_proj(out.reshape(tokens, -1))
         # k_cache, v_cache: (num_blocks * block_size, kv_heads, head_dim), written slot by slot.
-        q, k = rope_and_store(q.reshape(tokens, self.num_heads, self.head_dim),
-                              k.reshape(tokens, self.num_kv_heads, self.head_dim),
-                              v.reshape(tokens, self.num_kv_heads, self.head_dim), cos, sin, k_cache, v_cache,
-                              batch.slots, self.ops.rotate)
-        v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
+        q, k = rope_and_store(q, k, v, cos, sin, k_cache, v_cache, batch.slots, self.ops.rotate)
         if not batch.prefills and not batch.fresh:  # every token a decode: the common step, and the CUDA graph's
             out = decode_attention(q, k_cache, v_cache, batch.decode_tables, batch.decode_lens, batch.block_size,
                                    batch.decode_gather)
