@@ -195,9 +195,10 @@ def test_the_one_row_kernel_takes_its_devices_config_for_the_widths_measured(mon
     names = {h200: "NVIDIA H200", h100: "NVIDIA H100 80GB HBM3", a100: "NVIDIA A100-SXM4-80GB"}
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: names[device])
     monkeypatch.setattr(gemv, "_ROW_CONFIG", {})
-    ((_, widest, config),) = gemv.ROW_CONFIGS["H200"]
-    assert gemv.row_config(h200, 576) == gemv.row_config(h200, widest) == config
-    assert gemv.row_config(h200, widest + 1) is None and gemv.row_config(a100, 576) is None
+    for narrowest, widest, config in gemv.ROW_CONFIGS["H200"]:
+        assert gemv.row_config(h200, narrowest) == gemv.row_config(h200, widest) == config
+    assert gemv.row_config(h200, 576) == gemv.ROW_CONFIGS["H200"][0][2]
+    assert gemv.row_config(h200, 8192) is None and gemv.row_config(a100, 576) is None  # the 1B's down projection
     ((narrowest, _, config),) = gemv.ROW_CONFIGS["H100"]
     assert gemv.row_config(h100, narrowest) == gemv.row_config(h100, 14336) == config
     assert gemv.row_config(h100, narrowest - 1) is None and gemv.row_config(h100, 576) is None

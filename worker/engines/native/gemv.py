@@ -117,18 +117,25 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gate
 
 
 ROW_CONFIGS = {
-    "H200": ((0, 4096, (4, 1024, 4, 4)),),
+    "H200": ((0, 2048, (4, 1024, 4, 4)), (2049, 4096, (4, 2048, 8, 3)), (8193, 1 << 30, (8, 1024, 4, 4))),
     "H100": ((4096, 1 << 30, (4, 2048, 8, 3)),),
 }
 """gemv's (rows, tile, warps, stages) by a part of the device's name (as vLLM keys its Triton
 configs): (narrowest K, widest K, config) entries, the first whose range takes the product's K;
 other devices and K take the kernel's own config (the H100's, before these entries).
-- H200: the Llama-1B shapes' qkv, gate_up and LM head were fastest so (a sweep, each timed in a CUDA
-  graph: the step's GEMVs 693 -> 645 us); alternated three times in one process, a batch-1 step of
-  the 1B shape took 0.848 against 0.899 ms, of the 8B shape (K 4096) 4.244 against 4.305. On an
-  H100 the same config took the 1B step from 1.067 to 1.068 ms and the 8B one from 5.46 to 5.51.
-  The Llama shapes' down projections (K 8192 and 14336) are past its bound; SmolLM2's products
-  (K 576 and 1536), within it, were not timed with it.
+- H200, K up to 2,048: the Llama-1B shapes' qkv, gate_up and LM head were fastest so (a sweep, each
+  timed in a CUDA graph: the step's GEMVs 693 -> 645 us); alternated three times in one process, a
+  batch-1 step of the 1B shape took 0.848 against 0.899 ms. On an H100 the same config took the 1B
+  step from 1.067 to 1.068 ms and the 8B one from 5.46 to 5.51. SmolLM2's products (K 576 and
+  1536), within it, were not timed with it.
+- H200, K of 2,049-4,096 (the 8B shape's, which took the entry above before: 4.305 -> 4.244 ms a
+  step): a sweep of each product over 8-16 layers' weights in a CUDA graph, with PDL, us a layer
+  against that entry: qkv 12.30 against 12.98, gate_up 51.98 against 53.31, LM head 227.3 against
+  233.0, o 8.73 against 8.63.
+- H200, K past 8,192: the 8B shape's down projection (K 14,336), 27.8 against the kernel's own 34.4
+  us a layer. The 1B shape's (K 8,192) keeps the kernel's own: 9.32 against 11.20 with this one.
+  Through the engine the 8B shape's batch-1 step took 4.110 ms with the last two entries (a run of
+  bench/native_gpu.py; 4.246 in the run before, another H200 host).
 - H100: the 8B shape's products (K 4096 and its down projection's 14336). Swept in the forward's
   CUDA graph at batch 1 (320-token context) against the kernel's own config: 5,528 -> 5,417 us a
   step (-6.7 us from the K 4096 ones, -86 from the down projection); through the engine, alternated
