@@ -217,9 +217,10 @@ async def test_fresh_prompts_read_as_views_or_gathered_give_each_ones_logits(emb
 
 async def test_messages_are_paced_at_the_source_first_and_last_token_at_once(hf_reference, embedded_model):
     """server.max_messages_per_s spaces each stream's messages by running streams / the rate (8
-    streams at 50 a second: 160 ms, several ~25 ms steps): the first token goes alone and at once,
-    the rest ride together, the stream ends with its last token, and nothing is lost or reordered
-    (the same tokens and text as with the rate off)."""
+    streams at 20 a second: 400 ms, several steps even at 60-80 ms a step, as a 2-core Xeon's ran
+    here; at 50 a second, 160 ms, two tokens rode a message there and the test failed one run in
+    three): the first token goes alone and at once, the rest ride together, the stream ends with
+    its last token, and nothing is lost or reordered (the same tokens and text as with the rate off)."""
     _, prompts, expected = hf_reference
 
     async def messages(engine):
@@ -230,7 +231,7 @@ async def test_messages_are_paced_at_the_source_first_and_last_token_at_once(hf_
         return await asyncio.gather(*(one(i, ids) for i, ids in enumerate(prompts)))
 
     runs = {}
-    for rate in ("50", "0"):
+    for rate in ("20", "0"):
         # The interval off in both: the rate alone paces the first, nothing the second (a faster
         # CPU's steps may be under the interval).
         engine = engine_for(embedded_model, **{"server.max_messages_per_s": rate, "server.min_message_interval_s": "0"})
@@ -240,7 +241,7 @@ async def test_messages_are_paced_at_the_source_first_and_last_token_at_once(hf_
             assert engine.num_unfinished() == 0 and engine.blocks.num_free == engine.blocks.num_blocks
         finally:
             await engine.unload_model()
-    for paced, plain, tokens in zip(runs["50"], runs["0"], expected):
+    for paced, plain, tokens in zip(runs["20"], runs["0"], expected):
         # The rate off: a message a token, but where the consumer fell behind (RequestStream merges).
         assert len(paced[0][0]) == 1 and 2 * len(paced) < len(plain), "the first token alone, the rest together"
         assert paced[-1][2] == "length" and all(finish is None for _, _, finish in paced[:-1])
