@@ -26,10 +26,10 @@ def graph_sizes(max_batch: int) -> list[int]:
 
 DISTINCT_MIN_ROWS = 16
 """Steps of at least this many rows, each a sequence of its own, run graphs whose attention kernel
-rotates and writes each row's K/V itself (Batch.distinct): on an H200 (Llama-1B shape, 256-token
-contexts, alternated in one process) 1.099 against 1.144 ms a step at batch 16 and 1.327 against
-1.368 at 64, but 0.871 against 0.820 at batch 1, where the kernel's work after its wait is the
-step's latency (the new K/V written, then read back)."""
+rotates and writes each row's K/V itself (Batch.distinct): on an H200 (Llama-1B shape, 128-token
+prompts and 256 new tokens, alternated in one process) 1.084 against 1.128 ms a step at batch 16
+and 1.303 against 1.341 at 64; at batch 1 the kernel (its first form) took the step from 0.820 to
+0.871 ms, and at batch 4 a later form from 1.114 to 1.142, so smaller steps keep the two kernels."""
 
 ONE_COPY_BYTES = 1 << 20
 """Up to this, a step copies its block tables' rows whole with the packed rows (at 128k tokens of
@@ -134,7 +134,7 @@ class DecodeGraphs:
         size = next(s for s in self.sizes if s >= n)
         distinct = distinct and (size, True) in self.graphs
         packed = self.host.packed.numpy()
-        packed[:, n:size] = 0  # padding rows: length 0, their K/V written to the scratch slot
+        packed[:, n:size] = 0  # padding rows: length 0, their K/V written to the scratch slot (or nowhere)
         packed[2, n:size] = self.scratch_slot
         # Whole rows, contiguous: a strided copy took ~3x the host time of a plain one (0.21 ms
         # against 0.07 on an H100 host; torch stages it through temporaries), at ~1 ms a step.
