@@ -185,7 +185,7 @@ def test_add_rms_norm_matches_the_torch_path(built, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_and_store_matches_the_torch_path(built, dtype, monkeypatch):
-    from worker.engines.native.attention import rope_and_store
+    from worker.engines.native.rotary import rope_and_store
     from worker.engines.native.elementwise import rotate
 
     torch.manual_seed(3)

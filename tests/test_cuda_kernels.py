@@ -75,7 +75,7 @@ def test_prompts_attend_without_cudnn_attention(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton rope-and-store kernel runs on CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_rope_and_store_matches_the_torch_path(dtype):
-    from worker.engines.native.attention import rope_and_store
+    from worker.engines.native.rotary import rope_and_store
     from worker.engines.native.elementwise import rotate
 
     torch.manual_seed(0)
@@ -105,7 +105,8 @@ def test_rotating_and_writing_inside_the_decode_kernel_gives_the_two_kernels_bit
     parts and not, a new token that opens a block, and padding rows (length 0), whose K/V the one
     kernel writes nowhere. Each row a sequence of its own, with blocks of its own, as in a step of
     decodes."""
-    from worker.engines.native.attention import decode_attention, rope_and_store, rope_store_and_decode
+    from worker.engines.native.attention import decode_attention, rope_store_and_decode
+    from worker.engines.native.rotary import rope_and_store
     from worker.engines.native.elementwise import rotate
 
     torch.manual_seed(0)
@@ -239,7 +240,8 @@ def test_kernels_launched_early_wait_for_their_inputs_in_a_graph(monkeypatch):
     captured in a CUDA graph and replayed on a new input each time, gives what it gives launched
     without PDL: a read before the wait would see the previous replay's values."""
     from worker.engines.native import pdl
-    from worker.engines.native.attention import decode_attention, rope_and_store
+    from worker.engines.native.attention import decode_attention
+    from worker.engines.native.rotary import rope_and_store
     from worker.engines.native.elementwise import Elementwise
     from worker.engines.native.gemv import gemv
 

@@ -11,7 +11,7 @@ Caches are (slots, kv_heads, head_dim) per layer, slot = block * block_size + of
   by the last part to finish), which also runs inside a CUDA graph; elsewhere a batched gather of blocks.
   On CPUs the C++ kernel of kernels.py once built, which reads the blocks in place. With each row
   a sequence of its own, the same kernel can take the rotary embedding and cache write too
-  (`rope_store_and_decode`).
+  (`rope_store_and_decode`, rotating as rotary.py does).
   A step that mixes both runs each on its own rows.
 """
 
@@ -29,6 +29,8 @@ from worker.engines.native.paged_prefill import paged_prefill
 try:
     import triton
     import triton.language as tl
+
+    from worker.engines.native.rotary import rotate_half
 except ImportError:  # CPU installs have no Triton; the torch paths below serve them
     triton = None
 
@@ -48,34 +50,6 @@ MAX_SPLITS = 8
 WHOLE_TILES = 6
 """Contexts of at most this many 64-token tiles are never split (on an H100 one program walked 4
 tiles in 6.2 us, and the parts of a split plus their combine took 9)."""
-
-
-def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, rotate) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotary embedding of q and k, and k and v written to the caches at `slots`. q (T, H, D), k and
-    v (T, kv_heads, D), each with a unit stride in D; cos, sin (T, 1, D). Returns q and k rotated.
-    On CUDA one Triton kernel: as four kernels (two rotations, two index copies) it was 8% of a
-    batch-1 decode step of the Llama-1B shape; on CPUs the C++ one of kernels.py once built."""
-    if q.is_cuda and triton is not None:
-        tokens, heads, dim = q.shape
-        kv_heads = k.shape[1]
-        q_out, k_out = torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(k, memory_format=torch.contiguous_format)
-        cos, sin = cos.reshape(tokens, dim), sin.reshape(tokens, dim)
-        early = pdl.supported(q.device)
-        _rope_store_kernel[(tokens,)](
-            q, k, v, cos, sin, q_out, k_out, k_cache, v_cache, slots,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
-            k_cache.stride(0), k_cache.stride(1), HEADS=heads, KV_HEADS=kv_heads,
-            HEADS_PAD=triton.next_power_of_2(heads), KV_PAD=triton.next_power_of_2(kv_heads), HALF=dim // 2,
-            PDL=early, launch_pdl=early)
-        return q_out, k_out
-    if q.device.type == "cpu" and kernels.loaded():
-        return kernels.rope_and_store(q, k, v, cos, sin, k_cache, v_cache, slots)
-    heads = q.shape[1]
-    q, k = rotate(torch.cat((q, k), 1), cos, sin).split([heads, k.shape[1]], 1)  # one rotation: fewer calls
-    k_cache.index_copy_(0, slots, k)
-    v_cache.index_copy_(0, slots, v)
-    return q, k
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -147,7 +121,7 @@ def _after_cached_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torc
 def rope_store_and_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                           k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
                           lens: torch.Tensor, block_size: int) -> torch.Tensor:
-    """rope_and_store then decode_attention in one Triton kernel (CUDA), for a step whose rows are
+    """rotary.rope_and_store then decode_attention in one Triton kernel (CUDA), for a step whose rows are
     each a different sequence's one new token: no row reads another's K/V, so the part of each
     (sequence, KV head) that reads the new token's position rotates and writes it first. q (B, H, D),
     k and v (B, kv_heads, D) as the qkv projection leaves them (views of its rows, unrotated); cos,
@@ -248,50 +222,8 @@ def _decode_triton(q, k_cache, v_cache, tables, lens, block_size, rope=None):
 if triton is not None:
 
     @triton.jit
-    def _rotate_half(x_ptr, cos1, sin1, cos2, sin2, rows, half, mask, HALF: tl.constexpr):
-        """(rows, HALF) halves of x rotated, in fp32: x * cos + rotate_half(x) * sin."""
-        x1 = tl.load(x_ptr + rows[:, None] + half[None, :], mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(x_ptr + rows[:, None] + HALF + half[None, :], mask=mask, other=0.0).to(tl.float32)
-        return x1 * cos1 - x2 * sin1, x2 * cos2 + x1 * sin2
-
-    @triton.jit
-    def _rope_store_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, k_cache_ptr, v_cache_ptr,
-                           slots_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos,
-                           stride_cs, stride_ch, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
-                           HEADS_PAD: tl.constexpr, KV_PAD: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr):
-        token = tl.program_id(0)
-        half = tl.arange(0, HALF)
-        # Before the wait: the rotations and the slot come from the step's inputs, which no kernel
-        # of the layer writes (pdl.py).
-        cos1 = tl.load(cos_ptr + token * stride_cos + half).to(tl.float32)[None, :]
-        cos2 = tl.load(cos_ptr + token * stride_cos + HALF + half).to(tl.float32)[None, :]
-        sin1 = tl.load(sin_ptr + token * stride_cos + half).to(tl.float32)[None, :]
-        sin2 = tl.load(sin_ptr + token * stride_cos + HALF + half).to(tl.float32)[None, :]
-        slot = tl.load(slots_ptr + token).to(tl.int64)
-        pdl.wait_for_previous(PDL)
-        heads = tl.arange(0, HEADS_PAD)
-        mask = (heads < HEADS)[:, None]
-        out1, out2 = _rotate_half(q_ptr + token * stride_qt, cos1, sin1, cos2, sin2, heads * stride_qh, half, mask, HALF)
-        q_out = q_out_ptr + token * HEADS * 2 * HALF + heads[:, None] * 2 * HALF + half[None, :]
-        tl.store(q_out, out1.to(q_out_ptr.dtype.element_ty), mask=mask)
-        tl.store(q_out + HALF, out2.to(q_out_ptr.dtype.element_ty), mask=mask)
-        kv = tl.arange(0, KV_PAD)
-        mask = (kv < KV_HEADS)[:, None]
-        out1, out2 = _rotate_half(k_ptr + token * stride_kt, cos1, sin1, cos2, sin2, kv * stride_kh, half, mask, HALF)
-        k_out = k_out_ptr + token * KV_HEADS * 2 * HALF + kv[:, None] * 2 * HALF + half[None, :]
-        cached = k_cache_ptr + slot * stride_cs + kv[:, None] * stride_ch + half[None, :]
-        out1, out2 = out1.to(k_out_ptr.dtype.element_ty), out2.to(k_out_ptr.dtype.element_ty)
-        tl.store(k_out, out1, mask=mask)
-        tl.store(k_out + HALF, out2, mask=mask)
-        tl.store(cached, out1, mask=mask)
-        tl.store(cached + HALF, out2, mask=mask)
-        dims = tl.arange(0, 2 * HALF)
-        value = tl.load(v_ptr + token * stride_vt + kv[:, None] * stride_vh + dims[None, :], mask=mask)
-        tl.store(v_cache_ptr + slot * stride_cs + kv[:, None] * stride_ch + dims[None, :], value, mask=mask)
-
-    @triton.jit
     def _whole(first, second, ROWS: tl.constexpr, DIM: tl.constexpr):
-        """_rotate_half's two (ROWS, DIM / 2) halves side by side: (ROWS, DIM)."""
+        """rotate_half's two (ROWS, DIM / 2) halves side by side: (ROWS, DIM)."""
         return tl.reshape(tl.permute(tl.join(first, second), (0, 2, 1)), (ROWS, DIM))
 
     @triton.jit
@@ -334,13 +266,13 @@ if triton is not None:
             slot = tl.load(slots_ptr + seq).to(tl.int64)
         pdl.wait_for_previous(PDL)
         heads = kv_head * GROUP + g
-        if ROPE:  # q and the new token's k rotated as _rope_store_kernel rotates them, rounded as it stores them
-            q1, q2 = _rotate_half(q_ptr + seq * stride_qt, cos1, sin1, cos2, sin2, heads * stride_qh, half,
+        if ROPE:  # q and the new token's k rotated as rotary's kernel rotates them, rounded as it stores them
+            q1, q2 = rotate_half(q_ptr + seq * stride_qt, cos1, sin1, cos2, sin2, heads * stride_qh, half,
                                   (g < GROUP)[:, None], HEAD_DIM // 2)
             q = _whole(q1, q2, GROUP_PAD, HEAD_DIM).to(q_ptr.dtype.element_ty)
             if (last_tile == num_tiles) & (last_tile > first_tile):  # the part that reads the new position writes it
                 one = tl.zeros((1,), tl.int32)
-                k1, k2 = _rotate_half(new_k_ptr + seq * stride_nt + kv_head * HEAD_DIM, cos1, sin1, cos2, sin2, one,
+                k1, k2 = rotate_half(new_k_ptr + seq * stride_nt + kv_head * HEAD_DIM, cos1, sin1, cos2, sin2, one,
                                       half, one[:, None] == 0, HEAD_DIM // 2)
                 cached = slot * stride_ks + kv_head * stride_kh
                 tl.store(k_ptr + cached + half[None, :], k1.to(k_ptr.dtype.element_ty))

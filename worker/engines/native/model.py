@@ -17,11 +17,12 @@ import torch
 from torch import nn
 
 from worker.engines.native import kernels
-from worker.engines.native.attention import decode_attention, prefill_attention, rope_and_store, rope_store_and_decode
+from worker.engines.native.attention import decode_attention, prefill_attention, rope_store_and_decode
 from worker.engines.native.batch import Batch
 from worker.engines.native.elementwise import Elementwise
 from worker.engines.native.gemv import RowLinear, triton
 from worker.engines.native.linear import PackedLinear, QuantLinear
+from worker.engines.native.rotary import rope_and_store
 
 SUPPORTED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
 ROPE_SCALING = {"default": (), "linear": ("factor",),
