@@ -53,3 +53,36 @@ def test_a_step_of_prompts_beside_decodes_is_prepared_without_waiting_for_the_on
     assert step.decode_index.tolist() == [4] and step.decode_lens.tolist() == [10]
     assert step.decode_tables[:, 0].tolist() == [1] and step.fresh == [(0, 1, 4, None)]
 
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the copy's own stream is CUDA's")
+def test_a_steps_tokens_go_to_the_host_off_the_stream_that_runs_the_next_step():
+    """to_host copies once what computes the tokens is done, on a stream of its own: work queued
+    next on the device's stream does not wait for the copy, and the tokens' memory is not handed
+    to another tensor before the copy has read it."""
+    from worker.engines.native.sequence import copy_stream, to_host
+
+    tokens = torch.zeros(64, dtype=torch.long, device="cuda")
+    to_host(tokens)[1].synchronize()  # a process's first pinned allocation synchronizes
+    torch.cuda._sleep(200_000_000)  # the tokens are written after ~0.1 s of the stream's time
+    tokens.fill_(7)
+    side = copy_stream(tokens.device)
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(2_000_000_000)  # then the copy's stream is busy for ~1 s more
+    host, copied = to_host(tokens)
+    del tokens
+    reused = torch.empty(64, dtype=torch.long, device="cuda").fill_(3)  # what a next step allocates
+    queued = torch.cuda.Event()
+    queued.record()
+    started = time.monotonic()
+    queued.synchronize()
+    waited = time.monotonic() - started
+    assert waited < 0.4, f"the device's stream waited {waited:.2f} s for the copy"
+    assert not copied.query()
+    copied.synchronize()
+    assert host.tolist() == [7] * 64  # the tokens once written, not before, nor the next tensor's
+    assert reused.tolist() == [3] * 64
+    torch.cuda._sleep(1_000_000_000)  # with the copy's stream idle, the copy still waits for them
+    reused.fill_(9)
+    host, copied = to_host(reused)
+    copied.synchronize()
+    assert host.tolist() == [9] * 64
