@@ -24,12 +24,13 @@ def graph_sizes(max_batch: int) -> list[int]:
     return sorted(set(sizes) | {max_batch})
 
 
-DISTINCT_MIN_ROWS = 16
+DISTINCT_MIN_ROWS = 2
 """Steps of at least this many rows, each a sequence of its own, run graphs whose attention kernel
-rotates and writes each row's K/V itself (Batch.distinct): on an H200 (Llama-1B shape, 128-token
-prompts and 256 new tokens, alternated in one process) 1.084 against 1.128 ms a step at batch 16
-and 1.303 against 1.341 at 64; at batch 1 the kernel (its first form) took the step from 0.820 to
-0.871 ms, and at batch 4 a later form from 1.114 to 1.142, so smaller steps keep the two kernels."""
+rotates and writes each row's K/V itself (Batch.distinct). On an H200 (Llama-1B shape, 128-token
+prompts and 256 new tokens, alternated in one process, three rounds): 1.084 against 1.128 ms a step
+at batch 16 and 1.303 against 1.341 at 64; later, 1.087 / 1.098 / 1.116 against 1.101 / 1.105 /
+1.129 at batch 2 / 4 / 8. At batch 1 it took a step from 0.829 to 0.875 ms, so one row keeps the
+two kernels."""
 
 ONE_COPY_BYTES = 1 << 20
 """Up to this, a step copies its block tables' rows whole with the packed rows (at 128k tokens of
