@@ -1,6 +1,8 @@
 """The native engine's CUDA kernels (these tests skip without a CUDA GPU, but for the choice of
 config): Triton's against the torch paths, PDL's waits inside a graph, and SDPA's backends for prompts."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -188,8 +190,8 @@ def test_one_row_linear_matches_torch(dtype):
 
 def test_the_one_row_kernel_takes_its_devices_config_for_the_widths_measured(monkeypatch):
     """gemv.ROW_CONFIGS by a part of the device's name, the first entry whose K range takes the
-    product's K; other devices and other widths take the kernel's own config (None). Runs on the
-    CPU."""
+    product's K; other devices and other widths take the kernel's own config (None). few_rows'
+    narrow products likewise (gemv.FEW_ROWS_NARROW). Runs on the CPU."""
     from worker.engines.native import gemv
 
     h200, h100, a100 = torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cuda", 2)
@@ -203,6 +205,12 @@ def test_the_one_row_kernel_takes_its_devices_config_for_the_widths_measured(mon
     ((narrowest, _, config),) = gemv.ROW_CONFIGS["H100"]
     assert gemv.row_config(h100, narrowest) == gemv.row_config(h100, 14336) == config
     assert gemv.row_config(h100, narrowest - 1) is None and gemv.row_config(h100, 576) is None
+    monkeypatch.setattr(gemv, "_NARROW", {})  # few_rows: the narrow products' own config on an H200
+    widest, most, narrow = gemv.FEW_ROWS_NARROW["H200"]
+    assert gemv.few_rows_config(h200, widest, most) == gemv.few_rows_config(h200, 576, 2) == narrow
+    assert (gemv.few_rows_config(h200, widest + 1, 2) == gemv.few_rows_config(h200, widest, most + 1)
+            == gemv.few_rows_config(h100, widest, 2) == gemv.FEW_ROWS)
+    assert gemv.few_rows_config(h200, 16384, 2) == gemv.few_rows_config(a100, 16384, 2) == gemv.FEW_ROWS_WIDE
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels run on CUDA")
@@ -226,9 +234,10 @@ def test_the_down_projection_takes_the_activation_as_it_reads_it(dtype):
         assert torch.equal(down.after_silu_and_mul(many, ops.silu_and_mul), down(ops.silu_and_mul(many)))
     if dtype == torch.bfloat16:  # few_rows' own shapes: uneven N, a bias, every row count up to its tile
         linear = torch.nn.Linear(512, 1001, device="cuda", dtype=dtype)
-        for rows in (2, 7, 16, 33):
+        narrow = (16, 256, 4, 5)  # gemv.FEW_ROWS_NARROW's, for up to 8 rows
+        for rows, config in [*itertools.product((2, 7, 16, 33), [(32, 256, 4, 3)]), (2, narrow), (7, narrow)]:
             x = torch.randn(rows, 512, device="cuda", dtype=dtype)
-            torch.testing.assert_close(few_rows(x, linear.weight, linear.bias, 32, 256, 4, 3), linear(x),
+            torch.testing.assert_close(few_rows(x, linear.weight, linear.bias, *config), linear(x),
                                        atol=2e-2, rtol=2e-2)
 
 

@@ -63,7 +63,7 @@ class RowLinear(nn.Module):
                 and pdl.supported(x.device)):
             if gated:  # each program would take all the rows' activation: at 16 rows the step took 2.1 ms, not 1.5
                 return None
-            return few_rows(x, weight, bias, *(FEW_ROWS_WIDE if 8192 <= weight.shape[0] < 65536 else FEW_ROWS))
+            return few_rows(x, weight, bias, *few_rows_config(x.device, weight.shape[0], x.shape[0]))
         return None
 
 
@@ -73,6 +73,27 @@ FEW_ROWS_WIDE = (64, 128, 4, 5)
 a norm kernel and launched with PDL (us, cuBLAS's in brackets): qkv 8.1 (8.6), o 7.1 (7.5), down 17.1
 (17.5), lm_head 180 (193); the wide one for gate_up, 27.2 (28.4). At 64 rows cuBLAS was as fast or
 faster (down 18.7 against 19.7), so more rows go to it."""
+FEW_ROWS_NARROW = {"H200": (2048, 8, (16, 256, 4, 5))}
+"""By a part of the device's name: (widest N, most rows, config) for products of at most that many
+outputs and rows. On an H200, the Llama-1B shape's down projection (2,048 x 8,192) and o (2,048 x
+2,048), each over 16 layers' weights in a CUDA graph with PDL, us a layer at 2 / 8 / 16 rows: down
+12.98 / 13.00 / 13.10 against FEW_ROWS' 15.77 / 15.82 / 13.58 (7.82 of bytes), o 5.02 / 5.08 / 5.26
+against 5.44 / 5.48 / 5.46 (1.96): 64 programs of 32 outputs leave half the SMs idle. Through the
+engine (two engines alternated in one process, three rounds) a step took 1.072 / 1.080 / 1.096 ms
+against 1.094 / 1.103 / 1.122 at batch 2 / 4 / 8, but 1.104 against 1.089 at 16, which keeps
+FEW_ROWS. qkv (3,072) and gate_up (16,384) were fastest with their own."""
+_NARROW: dict[torch.device, tuple[int, int, tuple[int, int, int, int]] | None] = {}
+
+
+def few_rows_config(device: torch.device, n: int, m: int) -> tuple[int, int, int, int]:
+    """few_rows' config for m rows of a product of n outputs on this device (looked up once)."""
+    if device not in _NARROW:
+        name = torch.cuda.get_device_name(device)
+        _NARROW[device] = next((entry for key, entry in FEW_ROWS_NARROW.items() if key in name), None)
+    narrow = _NARROW[device]
+    if narrow is not None and n <= narrow[0] and m <= narrow[1]:
+        return narrow[2]
+    return FEW_ROWS_WIDE if 8192 <= n < 65536 else FEW_ROWS
 
 
 NORMED_MAX = 8192
