@@ -197,7 +197,7 @@ def test_the_one_row_kernel_takes_its_devices_config_for_the_widths_measured(mon
     h200, h100, a100 = torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cuda", 2)
     names = {h200: "NVIDIA H200", h100: "NVIDIA H100 80GB HBM3", a100: "NVIDIA A100-SXM4-80GB"}
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: names[device])
-    monkeypatch.setattr(gemv, "_ROW_CONFIG", {})
+    monkeypatch.setattr(gemv, "_NAMES", {})
     for narrowest, widest, config in gemv.ROW_CONFIGS["H200"]:
         assert gemv.row_config(h200, narrowest) == gemv.row_config(h200, widest) == config
     assert gemv.row_config(h200, 576) == gemv.ROW_CONFIGS["H200"][0][2]
@@ -205,7 +205,7 @@ def test_the_one_row_kernel_takes_its_devices_config_for_the_widths_measured(mon
     ((narrowest, _, config),) = gemv.ROW_CONFIGS["H100"]
     assert gemv.row_config(h100, narrowest) == gemv.row_config(h100, 14336) == config
     assert gemv.row_config(h100, narrowest - 1) is None and gemv.row_config(h100, 576) is None
-    monkeypatch.setattr(gemv, "_NARROW", {})  # few_rows: the narrow products' own config on an H200
+    # few_rows: the narrow products' own config on an H200
     widest, most, narrow = gemv.FEW_ROWS_NARROW["H200"]
     assert gemv.few_rows_config(h200, widest, most) == gemv.few_rows_config(h200, 576, 2) == narrow
     assert (gemv.few_rows_config(h200, widest + 1, 2) == gemv.few_rows_config(h200, widest, most + 1)

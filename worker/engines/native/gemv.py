@@ -82,15 +82,22 @@ against 5.44 / 5.48 / 5.46 (1.96): 64 programs of 32 outputs leave half the SMs 
 engine (two engines alternated in one process, three rounds) a step took 1.072 / 1.080 / 1.096 ms
 against 1.094 / 1.103 / 1.122 at batch 2 / 4 / 8, but 1.104 against 1.089 at 16, which keeps
 FEW_ROWS. qkv (3,072) and gate_up (16,384) were fastest with their own."""
-_NARROW: dict[torch.device, tuple[int, int, tuple[int, int, int, int]] | None] = {}
+
+
+_NAMES: dict[torch.device, str] = {}
+
+
+def for_device(table: dict, device: torch.device):
+    """table's entry whose key is a part of the device's name (as vLLM keys its Triton configs), or
+    None; the name looked up once a device."""
+    if device not in _NAMES:
+        _NAMES[device] = torch.cuda.get_device_name(device)
+    return next((entry for key, entry in table.items() if key in _NAMES[device]), None)
 
 
 def few_rows_config(device: torch.device, n: int, m: int) -> tuple[int, int, int, int]:
-    """few_rows' config for m rows of a product of n outputs on this device (looked up once)."""
-    if device not in _NARROW:
-        name = torch.cuda.get_device_name(device)
-        _NARROW[device] = next((entry for key, entry in FEW_ROWS_NARROW.items() if key in name), None)
-    narrow = _NARROW[device]
+    """few_rows' config for m rows of a product of n outputs on this device."""
+    narrow = for_device(FEW_ROWS_NARROW, device)
     if narrow is not None and n <= narrow[0] and m <= narrow[1]:
         return narrow[2]
     return FEW_ROWS_WIDE if 8192 <= n < 65536 else FEW_ROWS
@@ -166,15 +173,10 @@ other devices and K take the kernel's own config (the H100's, before these entri
 Gated products (a down projection) take them too, so that the gated kernel keeps the two kernels'
 bits."""
 
-_ROW_CONFIG: dict[torch.device, tuple[tuple[int, int, tuple[int, int, int, int]], ...]] = {}
-
-
 def row_config(device: torch.device, k: int) -> tuple[int, int, int, int] | None:
-    """ROW_CONFIGS' config for this device and K, or None (the device looked up once)."""
-    if device not in _ROW_CONFIG:
-        name = torch.cuda.get_device_name(device)
-        _ROW_CONFIG[device] = next((entries for key, entries in ROW_CONFIGS.items() if key in name), ())
-    return next((config for narrowest, widest, config in _ROW_CONFIG[device] if narrowest <= k <= widest), None)
+    """ROW_CONFIGS' config for this device and K, or None."""
+    entries = for_device(ROW_CONFIGS, device) or ()
+    return next((config for narrowest, widest, config in entries if narrowest <= k <= widest), None)
 
 
 def few_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, bn: int, bk: int, warps: int,
