@@ -184,7 +184,7 @@ def test_one_row_linear_matches_torch(dtype):
         x = torch.randn(1, k, device="cuda", dtype=dtype)
         tolerance = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
         torch.testing.assert_close(RowLinear(linear)(x), linear(x), **tolerance)
-        for rows in (3, 16, 40):  # a few rows through few_rows (half precision, with PDL), more through torch
+        for rows in (3, 16, 40):  # few rows through few_rows (half precision, with PDL; 40 on an H200), more through torch
             torch.testing.assert_close(RowLinear(linear)(x.repeat(rows, 1)), linear(x.repeat(rows, 1)), **tolerance)
 
 
@@ -207,10 +207,26 @@ def test_the_one_row_kernel_takes_its_devices_config_for_the_widths_measured(mon
     assert gemv.row_config(h100, narrowest - 1) is None and gemv.row_config(h100, 576) is None
     # few_rows: the narrow products' own config on an H200
     widest, most, narrow = gemv.FEW_ROWS_NARROW["H200"]
-    assert gemv.few_rows_config(h200, widest, most) == gemv.few_rows_config(h200, 576, 2) == narrow
-    assert (gemv.few_rows_config(h200, widest + 1, 2) == gemv.few_rows_config(h200, widest, most + 1)
-            == gemv.few_rows_config(h100, widest, 2) == gemv.FEW_ROWS)
-    assert gemv.few_rows_config(h200, 16384, 2) == gemv.few_rows_config(a100, 16384, 2) == gemv.FEW_ROWS_WIDE
+    assert gemv.few_rows_config(h200, widest, 2048, most) == gemv.few_rows_config(h200, 576, 2048, 2) == narrow
+    assert (gemv.few_rows_config(h200, widest + 1, 2048, 2) == gemv.few_rows_config(h200, widest, 2048, most + 1)
+            == gemv.few_rows_config(h100, widest, 2048, 2) == gemv.FEW_ROWS)
+    assert (gemv.few_rows_config(h200, 16384, 2048, 2) == gemv.few_rows_config(a100, 16384, 2048, 2)
+            == gemv.FEW_ROWS_WIDE)
+    # past FEW_ROWS_MOST rows: the H200's products up to its K, by their row count; cuBLAS elsewhere
+    deepest, ((most, narrow, wide), (most_of_all, _, wide_of_all)) = gemv.FEW_ROWS_MANY["H200"]
+    many = gemv.FEW_ROWS_MOST + 1
+    assert gemv.few_rows_config(h200, 3072, deepest, many) == gemv.few_rows_config(h200, 8191, 2048, most) == narrow
+    assert gemv.few_rows_config(h200, 8192, 2048, most) == gemv.few_rows_config(h200, 65535, 2048, many) == wide
+    assert (gemv.few_rows_config(h200, 16384, 2048, most + 1) == gemv.few_rows_config(h200, 16384, 2048, most_of_all)
+            == wide_of_all)
+    assert all(gemv.few_rows_config(device, n, k, m) is None for device, n, k, m in (
+        (h200, 3072, deepest + 256, many), (h200, 65536, 2048, many), (h200, 3072, 2048, most_of_all + 1),
+        (h100, 3072, 2048, many), (a100, 3072, 2048, many)))
+    # deeper than the H200's deepest K: cuBLAS at any row count; other devices keep few_rows
+    deepest = gemv.FEW_ROWS_DEEPEST["H200"]
+    assert gemv.few_rows_config(h200, 4096, deepest + 256, 2) is None
+    assert (gemv.few_rows_config(h200, 2048, deepest, 16) == gemv.few_rows_config(h100, 4096, deepest + 256, 2)
+            == gemv.FEW_ROWS)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels run on CUDA")
@@ -235,7 +251,8 @@ def test_the_down_projection_takes_the_activation_as_it_reads_it(dtype):
     if dtype == torch.bfloat16:  # few_rows' own shapes: uneven N, a bias, every row count up to its tile
         linear = torch.nn.Linear(512, 1001, device="cuda", dtype=dtype)
         narrow = (16, 256, 4, 5)  # gemv.FEW_ROWS_NARROW's, for up to 8 rows
-        for rows, config in [*itertools.product((2, 7, 16, 33), [(32, 256, 4, 3)]), (2, narrow), (7, narrow)]:
+        many = [(17, (32, 256, 4, 4)), (32, (128, 128, 4, 4)), (33, (32, 128, 4, 4)), (64, (64, 64, 4, 4))]
+        for rows, config in [*itertools.product((2, 7, 16, 33), [(32, 256, 4, 3)]), (2, narrow), (7, narrow), *many]:
             x = torch.randn(rows, 512, device="cuda", dtype=dtype)
             torch.testing.assert_close(few_rows(x, linear.weight, linear.bias, *config), linear(x),
                                        atol=2e-2, rtol=2e-2)

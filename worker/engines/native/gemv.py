@@ -28,7 +28,7 @@ except ImportError:  # CPU installs have no Triton
 
 
 class RowLinear(nn.Module):
-    """`linear`, through the kernels here for one row (and, with PDL, up to 16 rows in half precision)."""
+    """`linear`, through the kernels here for one row (and, with PDL, a few rows in half precision)."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -59,11 +59,11 @@ class RowLinear(nn.Module):
         weight, bias = self.linear.weight, self.linear.bias
         if x.shape[0] == 1:
             return gemv(x, weight, bias, gated)
-        if (x.shape[0] <= 16 and x.dtype in (torch.bfloat16, torch.float16) and weight.shape[1] % 256 == 0
-                and pdl.supported(x.device)):
+        if x.dtype in (torch.bfloat16, torch.float16) and weight.shape[1] % 256 == 0 and pdl.supported(x.device):
             if gated:  # each program would take all the rows' activation: at 16 rows the step took 2.1 ms, not 1.5
                 return None
-            return few_rows(x, weight, bias, *few_rows_config(x.device, weight.shape[0], x.shape[0]))
+            config = few_rows_config(x.device, *weight.shape, x.shape[0])
+            return few_rows(x, weight, bias, *config) if config is not None else None
         return None
 
 
@@ -84,6 +84,26 @@ against 1.094 / 1.103 / 1.122 at batch 2 / 4 / 8, but 1.104 against 1.089 at 16,
 FEW_ROWS. qkv (3,072) and gate_up (16,384) were fastest with their own."""
 
 
+FEW_ROWS_MOST = 16
+"""Most rows few_rows takes; more go to cuBLAS."""
+FEW_ROWS_MANY = {"H200": (2048, ((32, (32, 256, 4, 4), (128, 128, 4, 4)), (64, (32, 128, 4, 4), (64, 64, 4, 4))))}
+"""By a part of the device's name, past FEW_ROWS_MOST rows: (deepest K, ((most rows, config for
+fewer than 8,192 outputs, config for 8,192 to 65,535), ...)); other products go to cuBLAS. On an
+H200 the Llama-1B shape's qkv, o and gate_up, each after a norm kernel in a CUDA graph, were as
+fast as cuBLAS's at 32 and 64 rows (us a layer at 64: 8.09 / 7.69 / 20.68 against 7.86 / 7.38 /
+20.83), the down projection and the LM head slower; through the engine (two engines alternated in
+one process, three rounds) a step took 1.177 / 1.231 / 1.280 ms at batch 32 / 48 / 64 against
+1.205 / 1.271 / 1.305 with them through cuBLAS: PDL overlaps their launches as it does the
+kernels' around them."""
+FEW_ROWS_DEEPEST = {"H200": 8192}
+"""By a part of the device's name: the deepest K few_rows takes; deeper products go to cuBLAS. On an
+H200 that is the Llama-8B shape's down projection (4,096 x 14,336): three engines alternated in one
+process, three rounds, a step took 4.614 / 4.712 ms at batch 8 / 16 with it through cuBLAS against
+4.761 / 4.944 through few_rows, and 4.672 / 4.772 with every product through cuBLAS. The Llama-1B
+shape's (K 8,192) was no faster so (1.070 / 1.082 / 1.095 / 1.085 against 1.069 / 1.075 / 1.094 /
+1.083 at batch 2 / 4 / 8 / 16; every product through cuBLAS 1.114-1.152)."""
+
+
 _NAMES: dict[torch.device, str] = {}
 
 
@@ -95,8 +115,14 @@ def for_device(table: dict, device: torch.device):
     return next((entry for key, entry in table.items() if key in _NAMES[device]), None)
 
 
-def few_rows_config(device: torch.device, n: int, m: int) -> tuple[int, int, int, int]:
-    """few_rows' config for m rows of a product of n outputs on this device."""
+def few_rows_config(device: torch.device, n: int, k: int, m: int) -> tuple[int, int, int, int] | None:
+    """few_rows' config for m rows of an (n, k) product on this device; None: torch's linear."""
+    if k > (for_device(FEW_ROWS_DEEPEST, device) or k):
+        return None
+    if m > FEW_ROWS_MOST:
+        deepest, steps = for_device(FEW_ROWS_MANY, device) or (0, ())
+        step = next(((narrow, wide) for most, narrow, wide in steps if m <= most), None)
+        return None if step is None or k > deepest or n >= 65536 else step[n >= 8192]
     narrow = for_device(FEW_ROWS_NARROW, device)
     if narrow is not None and n <= narrow[0] and m <= narrow[1]:
         return narrow[2]
