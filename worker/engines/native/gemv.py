@@ -59,8 +59,8 @@ class RowLinear(nn.Module):
         weight, bias = self.linear.weight, self.linear.bias
         if x.shape[0] == 1:
             return gemv(x, weight, bias, gated)
-        if (x.shape[0] <= 64 and x.dtype in (torch.bfloat16, torch.float16) and weight.shape[1] % 256 == 0
-                and pdl.supported(x.device)):  # 64: few_rows' most; a prompt's rows skip the config's lookups
+        if (x.shape[0] <= FEW_ROWS_LIMIT and x.dtype in (torch.bfloat16, torch.float16)
+                and weight.shape[1] % 256 == 0 and pdl.supported(x.device)):  # a prompt's rows skip the lookups
             if gated:  # each program would take all the rows' activation: at 16 rows the step took 2.1 ms, not 1.5
                 return None
             config = few_rows_config(x.device, *weight.shape, x.shape[0])
@@ -85,8 +85,10 @@ against 1.094 / 1.103 / 1.122 at batch 2 / 4 / 8, but 1.104 against 1.089 at 16,
 FEW_ROWS. qkv (3,072) and gate_up (16,384) were fastest with their own."""
 
 
+FEW_ROWS_LIMIT = 64
+"""Most rows the few_rows kernel takes at all (its rows are one tile); no table may give it more."""
 FEW_ROWS_MOST = 16
-"""Most rows few_rows takes; more go to cuBLAS."""
+"""Most rows few_rows takes on any device; more go to cuBLAS where FEW_ROWS_MANY has no entry."""
 FEW_ROWS_MANY = {"H200": (2048, ((32, (32, 256, 4, 4), (128, 128, 4, 4)), (64, (32, 128, 4, 4), (64, 64, 4, 4))))}
 """By a part of the device's name, past FEW_ROWS_MOST rows: (deepest K, ((most rows, config for
 fewer than 8,192 outputs, config for 8,192 to 65,535), ...)); other products go to cuBLAS. On an
@@ -208,7 +210,7 @@ def row_config(device: torch.device, k: int) -> tuple[int, int, int, int] | None
 
 def few_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, bn: int, bk: int, warps: int,
              stages: int) -> torch.Tensor:
-    """x (M, K), M <= 64, @ weight (N, K).T (+ bias), bf16 or fp16, K a multiple of bk: each program
+    """x (M, K), M <= FEW_ROWS_LIMIT, @ weight (N, K).T (+ bias), bf16 or fp16, K a multiple of bk: each program
     streams bn rows of W once for every row of x."""
     m = x.shape[0]
     n, k = weight.shape
