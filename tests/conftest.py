@@ -225,6 +225,19 @@ def tiny_model(tmp_path_factory):
     return make
 
 
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_model):
+    """A random 2-layer Llama saved as an HF folder, with a word-level tokenizer (t0 .. t511)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    folder = tiny_model("llama", bos_token_id=0, eos_token_id=1)
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(512)}, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=words, eos_token="t1", unk_token="t0").save_pretrained(folder)
+    return folder
+
+
 def free_port() -> int:
     import socket
 

@@ -1,13 +1,20 @@
 """The CUDA decode graphs' host inputs (graphs.HostInputs), which run on the CPU: a step launched
 ahead of the same rows advances the last step's inputs instead of rewriting them, and must write
-what a full pass writes."""
+what a full pass writes. And, on CUDA, how they reach the graphs (graphs.FEED_BYTES)."""
 
+import asyncio
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
+import torch
 
+from worker.config_loader import load_config
+from worker.engines.native import graphs
 from worker.engines.native.block_manager import BlockManager, BlockTable
+from worker.engines.native.engine import NativeEngine
 from worker.engines.native.graphs import HostInputs
+from worker.request import GenerationRequest, SamplingParams
 
 BLOCK = 4
 
@@ -114,3 +121,41 @@ def test_prompts_joining_a_step_launched_ahead_follow_its_decode_rows():
     for mine, theirs in zip(written(inputs, *expected), written(full, *expected)):
         np.testing.assert_array_equal(mine, theirs)
     assert inputs.packed.numpy()[0, first:rows].tolist() == [4, 5, 6]  # the prompt's own ids
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the decode graphs run on CUDA")
+async def test_inputs_read_from_the_host_by_a_kernel_give_the_tokens_of_copies(tiny_llama, monkeypatch):
+    """Graph steps whose inputs the feed kernel reads from pinned memory (with the pending tokens of
+    steps launched ahead, rows of ended sequences left out) give the tokens of the same steps with
+    the inputs copied in, greedy and seeded, alone and batched; every block comes back."""
+    config = load_config(None, {"HOME": "/tmp"}, {"engine.name": "native", "engine.model": str(tiny_llama),
+                                                  "engine.dtype": "float32", "engine.device": "cuda"})
+    fed, run = [], graphs.DecodeGraphs.run
+
+    def spy(self, n, width, input_ids=None, distinct=False):
+        fed.append(n * width * self.tables.element_size() <= graphs.FEED_BYTES)
+        return run(self, n, width, input_ids, distinct)
+
+    monkeypatch.setattr(graphs.DecodeGraphs, "run", spy)
+    engine = NativeEngine(config)
+    await engine.load_model()
+
+    async def tokens(index: int, max_tokens: int, **sampling) -> list[int]:
+        request = GenerationRequest(request_id=f"f{index}", prompt_token_ids=[2 + (5 * index + 3 * j) % 500 for j in range(7 + index)],
+                                    sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling))
+        return [t async for out in engine.stream_predict(request) for t in out.token_ids]
+
+    results = []
+    try:
+        for feed in (graphs.FEED_BYTES, -1):
+            monkeypatch.setattr(graphs, "FEED_BYTES", feed)
+            fed.clear()
+            runs = [await tokens(0, 40)]
+            for sampling in ({}, {"temperature": 0.8, "top_k": 50, "seed": 3}):
+                runs.append(await asyncio.gather(*(tokens(i, 10 + 7 * i, **sampling) for i in range(6))))
+            results.append(runs)
+            assert (all(fed) if feed > 0 else not any(fed)) and len(fed) > 40
+        assert engine.num_unfinished() == 0 and engine.blocks.num_free == engine.blocks.num_blocks
+    finally:
+        await engine.unload_model()
+    assert results[0] == results[1]

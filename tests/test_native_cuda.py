@@ -16,19 +16,6 @@ from worker.engines.native.engine import NativeEngine
 from worker.request import GenerationRequest, SamplingParams
 
 
-@pytest.fixture(scope="module")
-def tiny_llama(tiny_model):
-    """A random 2-layer Llama saved as an HF folder, with a word-level tokenizer (t0 .. t511)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    folder = tiny_model("llama", bos_token_id=0, eos_token_id=1)
-    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(512)}, unk_token="t0"))
-    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=words, eos_token="t1", unk_token="t0").save_pretrained(folder)
-    return folder
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="steps are launched ahead on CUDA, through the graphs")
 async def test_steps_launched_ahead_end_each_stream_at_its_token(tiny_llama, monkeypatch):
     """On CUDA a decode step is launched before the previous one's tokens reach the host. An end

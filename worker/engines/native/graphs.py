@@ -3,7 +3,7 @@
 A decode step launches a few hundred small kernels; replaying them as one graph removes the CPU
 launch cost that otherwise dominates at small batches. Every graph reads the same static buffers
 (token ids, positions, cache slots, block tables, context lengths) and writes its own logits; a
-step of n sequences copies its inputs in, pads to the next captured size with rows of length 0
+step of n sequences puts its inputs in (FEED_BYTES), pads to the next captured size with rows of length 0
 whose K/V go to a scratch slot, and replays. Whatever a graph reads must outlive it: the buffers
 are attributes here, never temporaries of the capture.
 """
@@ -31,6 +31,16 @@ prompts and 256 new tokens, alternated in one process, three rounds): 1.084 agai
 at batch 16 and 1.303 against 1.341 at 64; later, 1.087 / 1.098 / 1.116 against 1.101 / 1.105 /
 1.129 at batch 2 / 4 / 8. At batch 1 it took a step from 0.829 to 0.875 ms, so one row keeps the
 two kernels."""
+
+FEED_BYTES = 1 << 18
+"""Up to this many bytes of block tables (256 rows of 4k-token contexts), a step's inputs go in by a
+kernel that reads the pinned host buffer over the bus itself (_feed_kernel), the pending tokens with
+them; past it by copies, against which such reads were not timed. On an H200 (Llama-1B shape, batch
+1) the host-to-device copy and the tokens' device-to-device copy after it, each waiting for the one
+before, held the graph's first kernel 19 us after the argmax's end; the kernel, 6 us. Engines
+alternated in one process, ms a step: batch 1 0.8060 against 0.8252 and 16 1.0734 against 1.0787
+(five rounds); in another call 2 / 16 / 64 1.0606 / 1.0721 / 1.259 against 1.0679 / 1.0810 / 1.294,
+256 within the runs' spread (2.26-3.02 ms either way)."""
 
 ONE_COPY_BYTES = 1 << 20
 """Up to this, a step copies its block tables' rows whole with the packed rows (at 128k tokens of
@@ -137,17 +147,24 @@ class DecodeGraphs:
         packed = self.host.packed.numpy()
         packed[:, n:size] = 0  # padding rows: length 0, their K/V written to the scratch slot (or nowhere)
         packed[2, n:size] = self.scratch_slot
-        # Whole rows, contiguous: a strided copy took ~3x the host time of a plain one (0.21 ms
-        # against 0.07 on an H100 host; torch stages it through temporaries), at ~1 ms a step.
-        span = self.packed.nbytes + n * self.tables.shape[1] * self.tables.element_size()
-        if span <= ONE_COPY_BYTES:
-            self.raw[:span].copy_(self.host.raw[:span], non_blocking=True)
+        if n * width * self.tables.element_size() <= FEED_BYTES:
+            pending = (input_ids if input_ids is not None else self.input_ids).long().contiguous()  # (as they are)
+            _feed_kernel[(size,)](self.host.packed, self.host.tables, self.packed, self.tables, pending,
+                                  len(input_ids) if input_ids is not None else 0, n, width, self.packed.stride(0),
+                                  self.tables.stride(0), WIDTH=64)
+            self.copied.record()
         else:
-            self.packed.copy_(self.host.packed, non_blocking=True)
-            self.tables[:n, :width].copy_(self.host.tables[:n, :width], non_blocking=True)
-        self.copied.record()
-        if input_ids is not None:
-            self.input_ids[:len(input_ids)].copy_(input_ids)
+            # Whole rows, contiguous: a strided copy took ~3x the host time of a plain one (0.21 ms
+            # against 0.07 on an H100 host; torch stages it through temporaries), at ~1 ms a step.
+            span = self.packed.nbytes + n * self.tables.shape[1] * self.tables.element_size()
+            if span <= ONE_COPY_BYTES:
+                self.raw[:span].copy_(self.host.raw[:span], non_blocking=True)
+            else:
+                self.packed.copy_(self.host.packed, non_blocking=True)
+                self.tables[:n, :width].copy_(self.host.tables[:n, :width], non_blocking=True)
+            self.copied.record()
+            if input_ids is not None:
+                self.input_ids[:len(input_ids)].copy_(input_ids)
         self.graphs[size, distinct].replay()
         return self.logits[size, distinct][:n]
 
@@ -236,3 +253,25 @@ class HostInputs:
                 position += 1
             width = max(width, len(table))
         return row, width
+
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["pending_ptr", "pending_rows", "rows", "width"])  # one variant: no compile in service
+    def _feed_kernel(host_packed_ptr, host_tables_ptr, packed_ptr, tables_ptr, pending_ptr, pending_rows, rows,
+                     width, stride_packed, stride_tables, WIDTH: tl.constexpr):
+        """One graph row's inputs from the pinned host buffer (read over the bus, no copy of its own):
+        its four packed values, its id replaced by pending_ptr's where row < pending_rows, and its
+        block table's first `width` entries where row < rows (a padding row keeps the table it has)."""
+        row = tl.program_id(0)
+        fields = tl.arange(0, 4)
+        values = tl.load(host_packed_ptr + fields * stride_packed + row)
+        if row < pending_rows:
+            values = tl.where(fields == 0, tl.load(pending_ptr + row), values)
+        tl.store(packed_ptr + fields * stride_packed + row, values)
+        if row < rows:
+            for start in range(0, width, WIDTH):
+                blocks = start + tl.arange(0, WIDTH)
+                entries = tl.load(host_tables_ptr + row * stride_tables + blocks, mask=blocks < width)
+                tl.store(tables_ptr + row * stride_tables + blocks, entries, mask=blocks < width)
