@@ -191,7 +191,8 @@ def test_one_row_linear_matches_torch(dtype):
 def test_the_one_row_kernel_takes_its_devices_config_for_the_widths_measured(monkeypatch):
     """gemv.ROW_CONFIGS by a part of the device's name, the first entry whose K range takes the
     product's K; other devices and other widths take the kernel's own config (None). few_rows'
-    narrow products likewise (gemv.FEW_ROWS_NARROW). Runs on the CPU."""
+    narrow products likewise (gemv.FEW_ROWS_NARROW), and the rotary embedding inside the one-row
+    kernel (gemv.ROPE_INSIDE). Runs on the CPU."""
     from worker.engines.native import gemv
 
     h200, h100, a100 = torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cuda", 2)
@@ -222,6 +223,10 @@ def test_the_one_row_kernel_takes_its_devices_config_for_the_widths_measured(mon
     assert all(gemv.few_rows_config(device, n, k, m) is None for device, n, k, m in (
         (h200, 3072, deepest + 256, many), (h200, 65536, 2048, many), (h200, 3072, 2048, most_of_all + 1),
         (h100, 3072, 2048, many), (a100, 3072, 2048, many)))
+    # the rotary embedding inside a one-row qkv projection: the H200's up to its K, no other device's
+    deepest = gemv.ROPE_INSIDE["H200"]
+    assert gemv.rope_inside(h200, deepest) and gemv.rope_inside(h200, 576)
+    assert not any(gemv.rope_inside(device, k) for device, k in ((h200, deepest + 1), (h100, 576), (a100, 576)))
     # deeper than the H200's deepest K: cuBLAS at any row count; other devices keep few_rows
     deepest = gemv.FEW_ROWS_DEEPEST["H200"]
     assert gemv.few_rows_config(h200, 4096, deepest + 256, 2) is None
@@ -335,3 +340,40 @@ def test_a_projection_takes_the_norm_before_it_as_it_reads_its_row(dtype):
         tolerance = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
         torch.testing.assert_close(out, linear(h), **tolerance)
         assert linear.after_add_rms_norm(x.repeat(2, 1), residual.repeat(2, 1), weight, 1e-5) is None  # rows: two kernels
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels run on CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_qkv_projection_rotates_and_writes_the_cache_as_the_rope_kernel_does(dtype):
+    """One row's qkv projection with the rotary embedding and cache write inside (after the norm, and
+    without it as a first layer's): the bits of the projection, then the rope-and-store kernel."""
+    from worker.engines.native.gemv import Rope, RowLinear
+    from worker.engines.native.rotary import rope_and_store
+
+    torch.manual_seed(0)
+    for heads, kv_heads, k, bias in ((32, 8, 2048, False), (9, 3, 576, True)):  # Llama-1B's and SmolLM2's heads
+        dim, slot = 64, 37
+        linear = RowLinear(torch.nn.Linear(k, (heads + 2 * kv_heads) * dim, bias=bias, device="cuda", dtype=dtype))
+        x, residual = (torch.randn(1, k, device="cuda", dtype=dtype) for _ in range(2))
+        weight = torch.rand(k, device="cuda", dtype=dtype) + 0.5
+        angles = (slot * torch.rand(1, 1, dim // 2, device="cuda")).repeat(1, 1, 2)
+        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        slots = torch.tensor([slot], device="cuda")
+        for normed in (True, False):
+            caches = [torch.zeros(64, kv_heads, dim, device="cuda", dtype=dtype) for _ in range(4)]
+            rope = Rope(cos, sin, slots, caches[0], caches[1], heads * dim, kv_heads * dim)
+            if normed:
+                total, got = linear.after_add_rms_norm(x, residual, weight, 1e-5, rope)
+                want_total, qkv = linear.after_add_rms_norm(x, residual, weight, 1e-5)
+                assert torch.equal(total, want_total)
+            else:
+                got, qkv = linear.rotating(x, rope), linear(x)
+            q, k_new, v = (part.reshape(1, -1, dim) for part in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1))
+            want_q, want_k = rope_and_store(q, k_new, v, cos, sin, caches[2], caches[3], slots, None)
+            want = torch.cat((want_q.reshape(1, -1), want_k.reshape(1, -1), v.reshape(1, -1)), -1)
+            if dtype == torch.float32:  # the two kernels' multiply-adds may fuse differently
+                torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(caches[:2], caches[2:], atol=1e-5, rtol=1e-5)
+            else:
+                assert torch.equal(got, want) and torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+            assert torch.count_nonzero(caches[0].abs().sum((1, 2))) == 1  # the slot's row and no other

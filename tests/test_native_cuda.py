@@ -155,6 +155,43 @@ async def test_speculation_gives_the_same_tokens_on_cuda(tiny_llama, eager):
         await engine.unload_model()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the one-row kernels run on CUDA")
+@pytest.mark.parametrize("eager", [False, True])
+async def test_one_row_steps_rotate_and_write_inside_the_qkv_projection_with_the_same_tokens(tiny_llama, monkeypatch, eager):
+    """A decode step of one row rotates q and k and writes k and v inside its qkv projection's kernel
+    (model.Attention.rope_inside), through the graphs or not: greedy and seeded tokens are those of an
+    engine without it, and every block comes back."""
+    from worker.engines.native import gemv, model
+
+    config = load_config(None, {"HOME": "/tmp"}, {"engine.name": "native", "engine.model": str(tiny_llama),
+                                                  "engine.dtype": "float32", "engine.device": "cuda",
+                                                  "engine.args.enforce_eager": str(eager).lower()})
+    monkeypatch.setattr(gemv, "ROPE_INSIDE", {torch.cuda.get_device_name(): 1 << 30})  # on any GPU
+    inside, taken, results = model.Attention.rope_inside, [], []
+
+    def spy(self, *args):
+        rope = inside(self, *args)
+        taken.append(rope is not None)
+        return rope
+
+    for rule in (spy, lambda self, *args: None):
+        monkeypatch.setattr(model.Attention, "rope_inside", rule)
+        engine = NativeEngine(config)
+        await engine.load_model()
+        try:
+            runs = []
+            for sampling in ({}, {"temperature": 0.8, "top_k": 50, "seed": 3}):
+                request = GenerationRequest(request_id="r", prompt_token_ids=[2 + 7 * i % 500 for i in range(9)],
+                                            sampling=SamplingParams(max_tokens=40, ignore_eos=True, **sampling))
+                runs.append([t async for out in engine.stream_predict(request) for t in out.token_ids])
+            results.append(runs)
+            assert engine.num_unfinished() == 0 and engine.blocks.num_free == engine.blocks.num_blocks
+        finally:
+            await engine.unload_model()
+    assert sum(taken) >= (2 * 2 * 39 if eager else 2)  # each layer of every decode step, or of the one-row graph
+    assert results[0] == results[1]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the graphs of distinct rows run on CUDA")
 async def test_steps_of_many_decodes_rotate_and_write_inside_attention_with_the_same_tokens(tiny_llama, monkeypatch):
     """Decode steps of graphs.DISTINCT_MIN_ROWS sequences and more run the graphs whose attention

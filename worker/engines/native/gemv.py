@@ -15,6 +15,8 @@ read ahead), 891 with 1024 and 996 with 512. Asking L2 for a program's whole sli
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
@@ -44,13 +46,25 @@ class RowLinear(nn.Module):
         return out if out is not None else self(silu_and_mul(gate_up))
 
     def after_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
-                           eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+                           eps: float, rope: Rope | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(x + residual, linear(rms_norm(x + residual))) for one row in one kernel, rounded as
-        elementwise.add_rms_norm rounds; None where that does not apply."""
+        elementwise.add_rms_norm rounds; None where that does not apply. `rope`: see rotating()."""
         if (x.shape[0] != 1 or not x.is_cuda or x.stride(-1) != 1 or residual.stride(-1) != 1
                 or x.shape[1] > NORMED_MAX):
             return None
-        return gemv_after_norm(x, residual, norm_weight, eps, self.linear.weight, self.linear.bias)
+        return gemv_after_norm(x, residual, norm_weight, eps, self.linear.weight, self.linear.bias, rope)
+
+    def rotating(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
+        """A qkv projection of one row (takes_rope) with its rotary embedding and cache write
+        inside: q and k rotated as rotary.rope_and_store rotates them, k and v written at the
+        row's slot."""
+        return gemv(x, self.linear.weight, self.linear.bias, rope=rope)
+
+    def takes_rope(self, x: torch.Tensor, head_dim: int) -> bool:
+        """Whether rotating() takes x and pays: one contiguous row on CUDA, heads whose halves a
+        program's pairs of outputs divide (it takes up to 8 pairs), a device and K of ROPE_INSIDE."""
+        return (triton is not None and x.shape[0] == 1 and x.is_cuda and x.stride(-1) == 1 and head_dim % 16 == 0
+                and rope_inside(x.device, self.linear.weight.shape[1]))
 
     def _through_kernel(self, x: torch.Tensor, gated: bool) -> torch.Tensor | None:
         """x's product through gemv or few_rows, or None where torch's linear serves it better."""
@@ -132,29 +146,62 @@ def few_rows_config(device: torch.device, n: int, k: int, m: int) -> tuple[int, 
     return FEW_ROWS_WIDE if 8192 <= n < 65536 else FEW_ROWS
 
 
+ROPE_INSIDE = {"H200": 2048}
+"""By a part of the device's name: the deepest K whose one-row qkv projection rotates and writes the
+cache itself (RowLinear.rotating) instead of leaving it to the rope kernel. On an H200, engines
+alternated in one process, ms a step at batch 1: the Llama-1B shape (K 2,048) 0.7992 against 0.8060
+(five rounds), the Llama-8B shape (K 4,096) 3.978 against 3.881 (three), so it keeps the kernel.
+That kernel lets the attention kernel after it start only once it has finished: started early under
+PDL, as the other kernels start theirs, the attention took ~3 us a layer longer (1B: 0.877 against
+0.828 ms a step, the device's time in attention 144 us a step against 93 + 21 of the rope kernel's),
+as it had at batch 1 inside the attention kernel (graphs.DISTINCT_MIN_ROWS). The same late start
+for few_rows' qkv products at 2-64 rows was slower (batch 2 / 16: 1.104 / 1.117 against 1.061 / 1.072)."""
+
+
+def rope_inside(device: torch.device, k: int) -> bool:
+    """Whether a one-row qkv projection of depth K takes the rotary embedding inside on this device."""
+    return k <= (for_device(ROPE_INSIDE, device) or 0)
+
+
+class Rope(NamedTuple):
+    """What a qkv projection of one row needs to rotate q and k and write k and v (RowLinear.rotating):
+    cos, sin (1, 1, D) at the row's position; slots (1,); the layer's caches (slots, kv_heads, D);
+    the widths of q and of k (and v) in the projection's output, [q | k | v]."""
+    cos: torch.Tensor
+    sin: torch.Tensor
+    slots: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    q_width: int
+    kv_width: int
+
+
 NORMED_MAX = 8192
 """Widest row whose norm gemv_after_norm takes (each program holds the whole row once)."""
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool = False) -> torch.Tensor:
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool = False,
+         rope: Rope | None = None) -> torch.Tensor:
     """x (1, K) @ weight (N, K).T (+ bias): (1, N) in x's dtype, accumulated in fp32. gated: x is
     (1, 2K), [gate | up], and silu(gate) * up is what multiplies the weight, rounded as
-    elementwise.silu_and_mul rounds it (so the result is the same to the bit, one kernel fewer)."""
-    return _gemv(x, weight, bias, gated=gated)
+    elementwise.silu_and_mul rounds it (so the result is the same to the bit, one kernel fewer).
+    rope: the output is a qkv projection's, rotated and written to the caches (RowLinear.rotating)."""
+    return _gemv(x, weight, bias, gated=gated, rope=rope)
 
 
 def gemv_after_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                    weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                    weight: torch.Tensor, bias: torch.Tensor | None, rope: Rope | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(total, gemv(rms_norm(total) * norm_weight, weight, bias)), total = x + residual, both (1, K):
     a layer's norm inside its next projection (a kernel fewer; every program normalizes the row,
     program 0 writes total). The row's sum of squares adds up in another order than the norm
     kernel's, so the normalized row may differ from it in the last bit."""
     total = torch.empty_like(x)
-    return total, _gemv(x, weight, bias, norm=(residual, norm_weight, total, eps))
+    return total, _gemv(x, weight, bias, norm=(residual, norm_weight, total, eps), rope=rope)
 
 
 def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool = False,
-          norm: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
+          norm: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None,
+          rope: Rope | None = None) -> torch.Tensor:
     """The matrix-vector kernel's launch; norm: (residual, norm weight, total out, eps)."""
     n, k = weight.shape
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
@@ -165,11 +212,22 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gate
     tile = min(tile, triton.next_power_of_2(k))
     early = pdl.supported(x.device)
     residual, norm_weight, total, eps = norm or (x, x, x, 0.0)
+    if rope is not None:
+        head_dim = rope.cos.shape[-1]  # a program's rows are rows // 2 pairs (d, d + D / 2) of a head
+        assert rows <= 16 and head_dim % 16 == 0 and n == rope.q_width + 2 * rope.kv_width
+        assert rope.k_cache.stride()[1:] == (head_dim, 1) and rope.v_cache.stride() == rope.k_cache.stride()
+        assert rope.cos.stride(-1) == rope.sin.stride(-1) == 1
+        cos, sin, slots, k_cache, v_cache = rope.cos, rope.sin, rope.slots, rope.k_cache, rope.v_cache
+        q_width, kv_width, stride_cache = rope.q_width, rope.kv_width, rope.k_cache.stride(0)
+    else:
+        head_dim, (cos, sin, slots, k_cache, v_cache), q_width, kv_width, stride_cache = 2, (x,) * 5, 0, 0, 0
     _gemv_kernel[(triton.cdiv(n, rows),)](
         x, weight, bias if bias is not None else weight, out, residual, norm_weight, total, eps, n, k, weight.stride(0),
+        cos, sin, slots, k_cache, v_cache, q_width, kv_width, stride_cache,
         HAS_BIAS=bias is not None, EVEN_K=k % tile == 0, GATED=gated, NORM=norm is not None,
-        ROW=triton.next_power_of_2(k), BN=rows, BK=tile, PDL=early, num_warps=warps, num_stages=stages,
-        launch_pdl=early)
+        ROW=triton.next_power_of_2(k), BN=rows, BK=tile, ROPE=rope is not None, HALF=head_dim // 2, PDL=early,
+        NEXT_EARLY=rope is None,  # (ROPE_INSIDE says why)
+        num_warps=warps, num_stages=stages, launch_pdl=early)
     return out
 
 
@@ -268,16 +326,30 @@ if triton is not None:
 
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, residual_ptr, norm_ptr, total_ptr, eps, N, K, stride_w,
+                     cos_ptr, sin_ptr, slots_ptr, k_cache_ptr, v_cache_ptr, q_width, kv_width, stride_cache,
                      HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
-                     ROW: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
-        rows = tl.program_id(0) * BN + tl.arange(0, BN)
+                     ROW: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr,
+                     PDL: tl.constexpr, NEXT_EARLY: tl.constexpr):
+        if ROPE:  # the program's BN // 2 pairs (d, d + HALF) of one head: rows [d's..., (d + HALF)'s...]
+            pair = tl.program_id(0) * (BN // 2) + tl.arange(0, BN) % (BN // 2)
+            rows = pair // HALF * (2 * HALF) + tl.arange(0, BN) // (BN // 2) * HALF + pair % HALF
+        else:
+            rows = tl.program_id(0) * BN + tl.arange(0, BN)
         # The first tile of W, read before the wait: no kernel writes the weights.
         ks = tl.arange(0, BK)
         mask = rows[:, None] < N
         if not EVEN_K:
             mask = mask & (ks[None, :] < K)
         w = tl.load(w_ptr + rows[:, None] * stride_w + ks[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
-        pdl.wait_for_previous(PDL)
+        if ROPE:  # the row's slot, a step input (pdl.py), and where the program's pairs lie
+            slot = tl.load(slots_ptr).to(tl.int64)
+            half = (tl.program_id(0) * (BN // 2) + tl.arange(0, BN // 2)) % HALF
+        pdl.wait_for_previous(PDL, NEXT_EARLY)
+        if ROPE:  # its rotation, which the step's first kernel writes: read now, used once the sums are in
+            cos1 = tl.load(cos_ptr + half).to(tl.float32)
+            cos2 = tl.load(cos_ptr + HALF + half).to(tl.float32)
+            sin1 = tl.load(sin_ptr + half).to(tl.float32)
+            sin2 = tl.load(sin_ptr + HALF + half).to(tl.float32)
         scale = 1.0
         if NORM:  # the whole row's sum of squares first, as _norm_kernel takes it
             row = tl.arange(0, ROW)
@@ -299,4 +371,32 @@ if triton is not None:
         out = tl.sum(acc, 1)
         if HAS_BIAS:
             out += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
-        tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=rows < N)
+        if ROPE:
+            _rotate_and_store(out.to(out_ptr.dtype.element_ty), out_ptr, cos1, cos2, sin1, sin2, slot, k_cache_ptr,
+                              v_cache_ptr, q_width, kv_width, stride_cache, BN // 2, HALF)
+        else:
+            tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=rows < N)
+
+    @triton.jit
+    def _rotate_and_store(out, out_ptr, cos1, cos2, sin1, sin2, slot, k_cache_ptr, v_cache_ptr, q_width, kv_width,
+                          stride_cache, PAIRS: tl.constexpr, HALF: tl.constexpr):
+        """A program's (2 * PAIRS,) outputs of a qkv projection, rounded to the output's dtype as the
+        rope kernel reads them: rotated (q and k) as rotary.rotate_half rotates, stored, and k and v
+        written at the row's slot. cos1 .. sin2: (PAIRS,) of the pairs' dimensions."""
+        first, second = tl.split(tl.permute(tl.reshape(out.to(tl.float32), (2, PAIRS)), (1, 0)))
+        pair = tl.program_id(0) * PAIRS + tl.arange(0, PAIRS)
+        column = pair // HALF * (2 * HALF) + pair % HALF  # of the first of each pair; a program's all lie in one head
+        start = tl.program_id(0) * PAIRS // HALF * (2 * HALF)
+        if start < q_width + kv_width:
+            first, second = first * cos1 - second * sin1, second * cos2 + first * sin2
+        first, second = first.to(out_ptr.dtype.element_ty), second.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + column, first)
+        tl.store(out_ptr + column + HALF, second)
+        if start >= q_width:
+            cached = slot * stride_cache + column - q_width
+            if start < q_width + kv_width:
+                tl.store(k_cache_ptr + cached, first)
+                tl.store(k_cache_ptr + cached + HALF, second)
+            else:
+                tl.store(v_cache_ptr + cached - kv_width, first)
+                tl.store(v_cache_ptr + cached - kv_width + HALF, second)

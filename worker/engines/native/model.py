@@ -20,7 +20,7 @@ from worker.engines.native import kernels
 from worker.engines.native.attention import decode_attention, prefill_attention, rope_store_and_decode
 from worker.engines.native.batch import Batch
 from worker.engines.native.elementwise import Elementwise
-from worker.engines.native.gemv import RowLinear, triton
+from worker.engines.native.gemv import Rope, RowLinear, triton
 from worker.engines.native.linear import PackedLinear, QuantLinear
 from worker.engines.native.rotary import rope_and_store
 
@@ -98,15 +98,17 @@ class RMSNorm(nn.Module):
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
-    def then(self, linear: nn.Module, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def then(self, linear: nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
+             rope: Rope | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + residual, linear(its norm)): the residual stream and the next sublayer's projection
-        (residual None: x itself). One row on CUDA takes one kernel (RowLinear.after_add_rms_norm)."""
+        (residual None: x itself). One row on CUDA takes one kernel (RowLinear.after_add_rms_norm).
+        rope (Attention.rope_inside): the projection's kernel rotates and writes the cache too."""
         if residual is not None and isinstance(linear, RowLinear):
-            fused = linear.after_add_rms_norm(x, residual, self.weight, self.eps)
+            fused = linear.after_add_rms_norm(x, residual, self.weight, self.eps, rope)
             if fused is not None:
                 return fused
         residual, h = (x, self(x)) if residual is None else self.add(x, residual)
-        return residual, linear(h)
+        return residual, linear(h) if rope is None else linear.rotating(h, rope)
 
 
 class Attention(nn.Module):
@@ -120,9 +122,19 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, sum(self.sizes), bias=config.qkv_bias)
         self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=config.o_bias)
 
+    def rope_inside(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: Batch,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor) -> Rope | None:
+        """What the qkv projection's kernel needs to rotate q and k and write k and v itself, where it
+        can: one row, a decode (a kernel fewer a layer at batch 1); else None."""
+        if (not isinstance(self.qkv_proj, RowLinear) or batch.distinct or batch.prefills or batch.fresh
+                or not self.qkv_proj.takes_rope(x, self.head_dim)):
+            return None
+        return Rope(cos, sin, batch.slots, k_cache, v_cache, self.sizes[0], self.sizes[1])
+
     def forward(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: Batch,
-                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """The layer's attention output from its qkv projection (DecoderLayer runs qkv_proj with the norm)."""
+                k_cache: torch.Tensor, v_cache: torch.Tensor, rotated: bool = False) -> torch.Tensor:
+        """The layer's attention output from its qkv projection (DecoderLayer runs qkv_proj with the
+        norm); rotated: q and k were rotated and k and v written by it (rope_inside)."""
         tokens = qkv.shape[0]
         q, k, v = qkv.split(self.sizes, dim=-1)
         q = q.reshape(tokens, self.num_heads, self.head_dim)
@@ -131,6 +143,9 @@ class Attention(nn.Module):
             out = rope_store_and_decode(q, k, v, cos, sin, k_cache, v_cache, batch.slots, batch.decode_tables,
                                         batch.decode_lens, batch.block_size)
             return self.o_proj(out.reshape(tokens, -1))
+        if rotated:
+            return self.o_proj(decode_attention(q, k_cache, v_cache, batch.decode_tables, batch.decode_lens,
+                                                batch.block_size).reshape(tokens, -1))
         # k_cache, v_cache: (num_blocks * block_size, kv_heads, head_dim), written slot by slot.
         q, k = rope_and_store(q, k, v, cos, sin, k_cache, v_cache, batch.slots, self.ops.rotate)
         if not batch.prefills and not batch.fresh:  # every token a decode: the common step, and the CUDA graph's
@@ -156,8 +171,9 @@ class DecoderLayer(nn.Module):
     def forward(self, x, residual, cos, sin, batch, k_cache, v_cache):
         """(this layer's MLP output, the residual stream before it): the next layer's norm adds them
         in the same kernel (the first layer's gets residual None)."""
-        residual, qkv = self.input_layernorm.then(self.self_attn.qkv_proj, x, residual)
-        attended = self.self_attn(qkv, cos, sin, batch, k_cache, v_cache)
+        rope = self.self_attn.rope_inside(x, cos, sin, batch, k_cache, v_cache)
+        residual, qkv = self.input_layernorm.then(self.self_attn.qkv_proj, x, residual, rope)
+        attended = self.self_attn(qkv, cos, sin, batch, k_cache, v_cache, rotated=rope is not None)
         residual, gate_up = self.post_attention_layernorm.then(self.mlp.gate_up_proj, attended, residual)
         return self.mlp(gate_up), residual
 

@@ -41,9 +41,10 @@ def supported(device: torch.device) -> bool:
 if triton is not None:
 
     @triton.jit
-    def wait_for_previous(PDL: tl.constexpr):
+    def wait_for_previous(PDL: tl.constexpr, NEXT_EARLY: tl.constexpr = True):
         """Waits until the kernel before has finished (and so every one before it), then lets the next
-        kernel's programs start."""
+        kernel's programs start; with NEXT_EARLY False they start only once this kernel has finished."""
         if PDL:
             tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+            if NEXT_EARLY:
+                tl.extra.cuda.gdc_launch_dependents()
