@@ -13,10 +13,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from worker.engines.native.attention import triton
 from worker.engines.native.batch import Batch
 from worker.engines.native.model import LlamaModel
 from worker.engines.native.sequence import Sequence, logit_rows, pick
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # without Triton: no graphs of distinct rows, inputs copied in
+    triton = None
 
 
 def graph_sizes(max_batch: int) -> list[int]:
@@ -147,7 +152,7 @@ class DecodeGraphs:
         packed = self.host.packed.numpy()
         packed[:, n:size] = 0  # padding rows: length 0, their K/V written to the scratch slot (or nowhere)
         packed[2, n:size] = self.scratch_slot
-        if n * width * self.tables.element_size() <= FEED_BYTES:
+        if triton is not None and n * width * self.tables.element_size() <= FEED_BYTES:
             pending = (input_ids if input_ids is not None else self.input_ids).long().contiguous()  # (as they are)
             _feed_kernel[(size,)](self.host.packed, self.host.tables, self.packed, self.tables, pending,
                                   len(input_ids) if input_ids is not None else 0, n, width, self.packed.stride(0),
@@ -256,7 +261,6 @@ class HostInputs:
 
 
 if triton is not None:
-    import triton.language as tl
 
     @triton.jit(do_not_specialize=["pending_ptr", "pending_rows", "rows", "width"])  # one variant: no compile in service
     def _feed_kernel(host_packed_ptr, host_tables_ptr, packed_ptr, tables_ptr, pending_ptr, pending_rows, rows,
