@@ -35,7 +35,7 @@ rotates and writes each row's K/V itself (Batch.distinct). On an H200 (Llama-1B 
 prompts and 256 new tokens, alternated in one process, three rounds): 1.084 against 1.128 ms a step
 at batch 16 and 1.303 against 1.341 at 64; later, 1.087 / 1.098 / 1.116 against 1.101 / 1.105 /
 1.129 at batch 2 / 4 / 8. At batch 1 it took a step from 0.829 to 0.875 ms, so one row keeps the
-two kernels."""
+two kernels (or, where gemv.ROPE_INSIDE says, rotates inside the qkv projection)."""
 
 FEED_BYTES = 1 << 18
 """Up to this many bytes of block tables (256 rows of 4k-token contexts), a step's inputs go in by a
