@@ -153,7 +153,8 @@ class DecodeGraphs:
         packed[:, n:size] = 0  # padding rows: length 0, their K/V written to the scratch slot (or nowhere)
         packed[2, n:size] = self.scratch_slot
         if triton is not None and n * width * self.tables.element_size() <= FEED_BYTES:
-            pending = (input_ids if input_ids is not None else self.input_ids).long().contiguous()  # (as they are)
+            # The sampler's tokens are int64 and contiguous already: no copy of them here.
+            pending = (input_ids if input_ids is not None else self.input_ids).long().contiguous()
             _feed_kernel[(size,)](self.host.packed, self.host.tables, self.packed, self.tables, pending,
                                   len(input_ids) if input_ids is not None else 0, n, width, self.packed.stride(0),
                                   self.tables.stride(0), WIDTH=64)
