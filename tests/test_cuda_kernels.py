@@ -347,8 +347,8 @@ def test_a_projection_takes_the_norm_before_it_as_it_reads_its_row(dtype):
 def test_a_qkv_projection_rotates_and_writes_the_cache_as_the_rope_kernel_does(dtype):
     """One row's qkv projection with the rotary embedding and cache write inside (after the norm, and
     without it as a first layer's): the bits of the projection, then the rope-and-store kernel."""
-    from worker.engines.native.gemv import Rope, RowLinear
-    from worker.engines.native.rotary import rope_and_store
+    from worker.engines.native.gemv import RowLinear
+    from worker.engines.native.rotary import Rope, rope_and_store
 
     torch.manual_seed(0)
     for heads, kv_heads, k, bias in ((32, 8, 2048, False), (9, 3, 576, True)):  # Llama-1B's and SmolLM2's heads

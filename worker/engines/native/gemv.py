@@ -15,12 +15,11 @@ read ahead), 891 with 1024 and 996 with 512. Asking L2 for a program's whole sli
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 from torch import nn
 
 from worker.engines.native import pdl
+from worker.engines.native.rotary import Rope
 
 try:
     import triton
@@ -57,7 +56,7 @@ class RowLinear(nn.Module):
     def rotating(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
         """A qkv projection of one row (takes_rope) with its rotary embedding and cache write
         inside: q and k rotated as rotary.rope_and_store rotates them, k and v written at the
-        row's slot."""
+        row's slot (rotary.rotate_and_store)."""
         return gemv(x, self.linear.weight, self.linear.bias, rope=rope)
 
     def takes_rope(self, x: torch.Tensor, head_dim: int) -> bool:
@@ -161,19 +160,6 @@ for few_rows' qkv products at 2-64 rows was slower (batch 2 / 16: 1.104 / 1.117 
 def rope_inside(device: torch.device, k: int) -> bool:
     """Whether a one-row qkv projection of depth K takes the rotary embedding inside on this device."""
     return k <= (for_device(ROPE_INSIDE, device) or 0)
-
-
-class Rope(NamedTuple):
-    """What a qkv projection of one row needs to rotate q and k and write k and v (RowLinear.rotating):
-    cos, sin (1, 1, D) at the row's position; slots (1,); the layer's caches (slots, kv_heads, D);
-    the widths of q and of k (and v) in the projection's output, [q | k | v]."""
-    cos: torch.Tensor
-    sin: torch.Tensor
-    slots: torch.Tensor
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-    q_width: int
-    kv_width: int
 
 
 NORMED_MAX = 8192
@@ -282,6 +268,7 @@ def few_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, b
 
 
 if triton is not None:
+    from worker.engines.native.rotary import rotate_and_store
 
     @triton.jit
     def _few_rows_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_x, stride_w, HAS_BIAS: tl.constexpr,
@@ -372,31 +359,7 @@ if triton is not None:
         if HAS_BIAS:
             out += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
         if ROPE:
-            _rotate_and_store(out.to(out_ptr.dtype.element_ty), out_ptr, cos1, cos2, sin1, sin2, slot, k_cache_ptr,
+            rotate_and_store(out.to(out_ptr.dtype.element_ty), out_ptr, cos1, cos2, sin1, sin2, slot, k_cache_ptr,
                               v_cache_ptr, q_width, kv_width, stride_cache, BN // 2, HALF)
         else:
             tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=rows < N)
-
-    @triton.jit
-    def _rotate_and_store(out, out_ptr, cos1, cos2, sin1, sin2, slot, k_cache_ptr, v_cache_ptr, q_width, kv_width,
-                          stride_cache, PAIRS: tl.constexpr, HALF: tl.constexpr):
-        """A program's (2 * PAIRS,) outputs of a qkv projection, rounded to the output's dtype as the
-        rope kernel reads them: rotated (q and k) as rotary.rotate_half rotates, stored, and k and v
-        written at the row's slot. cos1 .. sin2: (PAIRS,) of the pairs' dimensions."""
-        first, second = tl.split(tl.permute(tl.reshape(out.to(tl.float32), (2, PAIRS)), (1, 0)))
-        pair = tl.program_id(0) * PAIRS + tl.arange(0, PAIRS)
-        column = pair // HALF * (2 * HALF) + pair % HALF  # of the first of each pair; a program's all lie in one head
-        start = tl.program_id(0) * PAIRS // HALF * (2 * HALF)
-        if start < q_width + kv_width:
-            first, second = first * cos1 - second * sin1, second * cos2 + first * sin2
-        first, second = first.to(out_ptr.dtype.element_ty), second.to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + column, first)
-        tl.store(out_ptr + column + HALF, second)
-        if start >= q_width:
-            cached = slot * stride_cache + column - q_width
-            if start < q_width + kv_width:
-                tl.store(k_cache_ptr + cached, first)
-                tl.store(k_cache_ptr + cached + HALF, second)
-            else:
-                tl.store(v_cache_ptr + cached - kv_width, first)
-                tl.store(v_cache_ptr + cached - kv_width + HALF, second)

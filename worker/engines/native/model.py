@@ -20,9 +20,9 @@ from worker.engines.native import kernels
 from worker.engines.native.attention import decode_attention, prefill_attention, rope_store_and_decode
 from worker.engines.native.batch import Batch
 from worker.engines.native.elementwise import Elementwise
-from worker.engines.native.gemv import Rope, RowLinear, triton
+from worker.engines.native.gemv import RowLinear, triton
 from worker.engines.native.linear import PackedLinear, QuantLinear
-from worker.engines.native.rotary import rope_and_store
+from worker.engines.native.rotary import Rope, rope_and_store
 
 SUPPORTED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
 ROPE_SCALING = {"default": (), "linear": ("factor",),
@@ -143,11 +143,9 @@ class Attention(nn.Module):
             out = rope_store_and_decode(q, k, v, cos, sin, k_cache, v_cache, batch.slots, batch.decode_tables,
                                         batch.decode_lens, batch.block_size)
             return self.o_proj(out.reshape(tokens, -1))
-        if rotated:
-            return self.o_proj(decode_attention(q, k_cache, v_cache, batch.decode_tables, batch.decode_lens,
-                                                batch.block_size).reshape(tokens, -1))
-        # k_cache, v_cache: (num_blocks * block_size, kv_heads, head_dim), written slot by slot.
-        q, k = rope_and_store(q, k, v, cos, sin, k_cache, v_cache, batch.slots, self.ops.rotate)
+        if not rotated:  # (else a decode, its rotation and cache write done by rope_inside's kernel)
+            # k_cache, v_cache: (num_blocks * block_size, kv_heads, head_dim), written slot by slot.
+            q, k = rope_and_store(q, k, v, cos, sin, k_cache, v_cache, batch.slots, self.ops.rotate)
         if not batch.prefills and not batch.fresh:  # every token a decode: the common step, and the CUDA graph's
             out = decode_attention(q, k_cache, v_cache, batch.decode_tables, batch.decode_lens, batch.block_size,
                                    batch.decode_gather)

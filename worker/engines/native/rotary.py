@@ -1,12 +1,14 @@
 """The rotary embedding of a step's new tokens, and their K/V written to the paged caches.
 
 `rope_and_store` rotates q and k and writes k and v at each token's slot: a Triton kernel on CUDA,
-the C++ kernel of kernels.py on CPUs once built, torch elsewhere. `rotate_half` is the rotation
-both it and the decode-attention kernel (attention.rope_store_and_decode) use, so that the two give
-the same bits.
+the C++ kernel of kernels.py on CPUs once built, torch elsewhere. `rotate` is the rotation it, the
+decode-attention kernel (attention.rope_store_and_decode) and the one-row qkv kernel's epilogue
+(`rotate_and_store`, gemv.RowLinear.rotating) use, so that the three give the same bits.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -17,6 +19,19 @@ try:
     import triton.language as tl
 except ImportError:  # CPU installs have no Triton; the paths below without it serve them
     triton = None
+
+
+class Rope(NamedTuple):
+    """What a qkv projection of one row needs to rotate q and k and write k and v (gemv.RowLinear.rotating):
+    cos, sin (1, 1, D) at the row's position; slots (1,); the layer's caches (slots, kv_heads, D);
+    the widths of q and of k (and v) in the projection's output, [q | k | v]."""
+    cos: torch.Tensor
+    sin: torch.Tensor
+    slots: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    q_width: int
+    kv_width: int
 
 
 def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -50,11 +65,40 @@ def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
 if triton is not None:
 
     @triton.jit
+    def rotate(x1, x2, cos1, sin1, cos2, sin2):
+        """x's halves (fp32) rotated: x * cos + rotate_half(x) * sin."""
+        return x1 * cos1 - x2 * sin1, x2 * cos2 + x1 * sin2
+
+    @triton.jit
     def rotate_half(x_ptr, cos1, sin1, cos2, sin2, rows, half, mask, HALF: tl.constexpr):
-        """(rows, HALF) halves of x rotated, in fp32: x * cos + rotate_half(x) * sin."""
+        """(rows, HALF) halves of x rotated, in fp32 (rotate)."""
         x1 = tl.load(x_ptr + rows[:, None] + half[None, :], mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(x_ptr + rows[:, None] + HALF + half[None, :], mask=mask, other=0.0).to(tl.float32)
-        return x1 * cos1 - x2 * sin1, x2 * cos2 + x1 * sin2
+        return rotate(x1, x2, cos1, sin1, cos2, sin2)
+
+    @triton.jit
+    def rotate_and_store(out, out_ptr, cos1, cos2, sin1, sin2, slot, k_cache_ptr, v_cache_ptr, q_width, kv_width,
+                         stride_cache, PAIRS: tl.constexpr, HALF: tl.constexpr):
+        """A program's (2 * PAIRS,) outputs of a qkv projection (gemv's one-row kernel with a Rope),
+        rounded to the output's dtype as the rope kernel reads them: rotated (q and k), stored, and k
+        and v written at the row's slot. cos1 .. sin2: (PAIRS,) of the pairs' dimensions."""
+        first, second = tl.split(tl.permute(tl.reshape(out.to(tl.float32), (2, PAIRS)), (1, 0)))
+        pair = tl.program_id(0) * PAIRS + tl.arange(0, PAIRS)
+        column = pair // HALF * (2 * HALF) + pair % HALF  # of the first of each pair; a program's all lie in one head
+        start = tl.program_id(0) * PAIRS // HALF * (2 * HALF)
+        if start < q_width + kv_width:
+            first, second = rotate(first, second, cos1, sin1, cos2, sin2)
+        first, second = first.to(out_ptr.dtype.element_ty), second.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + column, first)
+        tl.store(out_ptr + column + HALF, second)
+        if start >= q_width:
+            cached = slot * stride_cache + column - q_width
+            if start < q_width + kv_width:
+                tl.store(k_cache_ptr + cached, first)
+                tl.store(k_cache_ptr + cached + HALF, second)
+            else:
+                tl.store(v_cache_ptr + cached - kv_width, first)
+                tl.store(v_cache_ptr + cached - kv_width + HALF, second)
 
     @triton.jit
     def _rope_store_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, k_cache_ptr, v_cache_ptr,
