@@ -20,7 +20,9 @@ def test_triton_decode_matches_the_gather_path(dtype):
     tables = torch.stack([torch.randperm(blocks, device="cuda")[:48] for _ in range(6)]).to(torch.int32)
     q = torch.randn(6, heads, dim, device="cuda", dtype=dtype)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-    for copies in (1, 1, 8):  # 6 sequences split their contexts in parts (twice: the parts' counts reset); 48 do not
+    # 6 sequences split their contexts in parts (twice: the parts' counts reset); 48 do not, in
+    # 128-token tiles (attention.WIDE_TILE_LANES); 192, in 64-token tiles.
+    for copies in (1, 1, 8, 32):
         q, tables, lens = (x.repeat(copies, *[1] * (x.dim() - 1)) for x in (q[:6], tables[:6], lens[:6]))
         expected = gather_attention(q, k, v, tables, lens, block_size)
         torch.testing.assert_close(_decode_triton(q, k, v, tables, lens, block_size), expected, atol=tolerance, rtol=tolerance)
@@ -114,7 +116,7 @@ def test_rotating_and_writing_inside_the_decode_kernel_gives_the_two_kernels_bit
     torch.manual_seed(0)
     block_size, width, heads, kv_heads, dim = 16, 48, 32, 8, 64  # Llama-1B's heads
     lens = torch.tensor([1, 17, 256, 700, 0, 33], device="cuda")  # 700: split in parts; 33: opens a block
-    for copies in (1, 1, 8):  # 6 rows split their contexts (twice: the parts' counts reset); 48 do not
+    for copies in (1, 1, 8, 32):  # 6 rows split their contexts (twice: the parts' counts reset); 48 and 192 do not
         rows = len(lens) * copies
         row_lens = lens.repeat(copies)
         tables = torch.randperm(rows * width, device="cuda").view(rows, width).to(torch.int32)

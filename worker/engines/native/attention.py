@@ -50,6 +50,14 @@ MAX_SPLITS = 8
 WHOLE_TILES = 6
 """Contexts of at most this many 64-token tiles are never split (on an H100 one program walked 4
 tiles in 6.2 us, and the parts of a split plus their combine took 9)."""
+WIDE_TILE_LANES = 1 << 15
+"""An unsplit decode whose programs hold at most this many head-dim lanes in all (batch x KV heads
+x head_dim) walks 128-token tiles, not 64: few programs a SM, each needs more bytes in flight. On
+an H200, 16 calls in a CUDA graph, 64 -> 128-token tiles, us a call at contexts of 256 / 512 / 1,024
+(random blocks): head_dim 64, batch 16 6.1 / 10.3 / 19.1 -> 5.4 / 8.5 / 14.7, 32 7.2 / 12.2 / 31.8
+-> 6.8 / 10.5 / 25.1, 64 9.1 / 23.2 / 40.2 -> 8.6 / 20.6 / 35.9, but 128 20.0 / 35.6 / 66.3 -> 21.1
+/ 37.7 / 70.2; head_dim 128, batch 16 8.2 / 14.1 / 34.1 -> 7.4 / 12.6 / 27.6, 32 10.2 / 23.5 / 41.2
+-> 9.6 / 21.7 / 36.7, but 64 20.9 / 36.2 / 66.6 -> 22.3 / 39.3 / 74.2."""
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -203,6 +211,8 @@ def _decode_triton(q, k_cache, v_cache, tables, lens, block_size, rope=None):
     # tiles stay whole. On an H100 at batch 1 (Llama-1B heads) that took a 4k context from 68 to
     # 16 us and a 16k one from 319 to 42 us; 256 tokens take 6.2 us either way (bench/native_gpu.py).
     splits = min(MAX_SPLITS, triton.next_power_of_2(-(-256 // (batch * kv_heads)))) if batch * kv_heads < 128 else 1
+    if splits == 1 and batch * kv_heads * dim <= WIDE_TILE_LANES:
+        tile_blocks *= 2
     partial = [torch.empty(batch, kv_heads, splits, group_pad, *extra, device=q.device, dtype=torch.float32)
                for extra in ((), (), (dim,))] if splits > 1 else [out] * 3
     early = pdl.supported(q.device)
