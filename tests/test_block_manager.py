@@ -55,3 +55,16 @@ def test_block_manager_without_prefix_caching_shares_nothing():
     blocks.grow(table, 5)
     blocks.commit(table, [1, 2, 3, 4, 5], 5)
     assert blocks.match_prefix(BlockTable(), [1, 2, 3, 4, 5]) == (0, 0)
+
+
+def test_a_block_is_named_at_the_step_that_fills_it():
+    """As decode steps commit, one computed token more each: a block is named (shareable) at the
+    step that computes its last token, neither before nor a step late."""
+    blocks = BlockManager(num_blocks=4, block_size=4)
+    tokens = list(range(12))
+    table = BlockTable()
+    blocks.grow(table, len(tokens))
+    for computed in range(1, len(tokens) + 1):
+        blocks.commit(table, tokens, computed)
+        assert len(table.hashes) == computed // 4
+        assert blocks.match_prefix(BlockTable(), tokens[:computed] + [99])[0] == computed // 4 * 4

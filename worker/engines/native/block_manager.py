@@ -86,9 +86,10 @@ class BlockManager:
 
     def commit(self, table: BlockTable, tokens: list[int], num_computed: int) -> None:
         """Names the blocks that `num_computed` computed tokens have filled, so others can share them."""
-        if not self.prefix_caching:
+        done = num_computed // self.block_size
+        if not self.prefix_caching or done <= len(table.hashes):  # most calls: no block filled
             return
-        for index in range(len(table.hashes), num_computed // self.block_size):
+        for index in range(len(table.hashes), done):
             parent = table.hashes[-1] if table.hashes else None
             chunk = tokens[index * self.block_size:(index + 1) * self.block_size]
             digest = block_hash(parent, chunk)

@@ -320,11 +320,17 @@ class NativeEngine(ThreadedEngine):
         accepted) tokens appended, (sequence, its new tokens) to emit. A sequence that a token ends
         (EOS, a stop id, its length) gives its blocks back here, so the next step does not run it;
         stop strings are found later, in _emit."""
-        checking = {id(seq) for seq in step.verifying}  # counted once their proposals are checked
-        for seq, count in step.scheduled:
-            if not seq.done and id(seq) not in checking:  # done: ended (a stop string) or aborted since
+        # At batch 256 on a GPU this thread's passes over the rows can set the step: each is one
+        # loop, with no call where none is needed.
+        counted = step.scheduled
+        if step.verifying:  # counted once their proposals are checked
+            checking = {id(seq) for seq in step.verifying}
+            counted = [(seq, count) for seq, count in counted if id(seq) not in checking]
+        commit = self.blocks.commit
+        for seq, count in counted:
+            if not seq.done:  # done: ended (a stop string) or aborted since
                 seq.num_cached += count
-                self.blocks.commit(seq.blocks, seq.tokens, seq.num_cached)
+                commit(seq.blocks, seq.tokens, seq.num_cached)
         sampled = self._verified(step) if step.verifying else []
         if not step.ready:
             return sampled
@@ -336,10 +342,13 @@ class NativeEngine(ThreadedEngine):
             logprobs = iter(step.logprobs.read(asked))
             for seq in step.ready:
                 seq.logprob = next(logprobs) if seq.request.logprobs is not None else None
+        drop = self.batcher.drop
         for seq, token in zip(step.ready, tokens):
             if not seq.done:
                 sampled.append((seq, [token]))
-                self._append(seq, token)
+                seq.append(token)
+                if token in seq.stop_ids or seq.at_limit():  # as _append, inline
+                    drop(seq)
         return sampled
 
     def _verified(self, step: Step) -> list[tuple[Sequence, list[int]]]:
