@@ -190,6 +190,18 @@ def test_one_row_linear_matches_torch(dtype):
             torch.testing.assert_close(RowLinear(linear)(x.repeat(rows, 1)), linear(x.repeat(rows, 1)), **tolerance)
 
 
+def test_graphs_rotate_inside_attention_where_that_was_measured_to_pay():
+    """graphs.rotates_inside: heads of 64 from two rows on (the Llama-1B shape's at 256 rows too),
+    heads of 128 (the Llama-8B shape's, 8 KV heads) up to 16 rows but not at 64 or 256, where the
+    rope kernel then attention was the faster; one row never (it keeps the two kernels)."""
+    from worker.engines.native.graphs import rotates_inside
+
+    assert not rotates_inside(1, 8, 64) and not rotates_inside(1, 8, 128)
+    assert rotates_inside(2, 8, 64) and rotates_inside(256, 8, 64) and rotates_inside(256, 3, 64)
+    assert rotates_inside(2, 8, 128) and rotates_inside(16, 8, 128)
+    assert not rotates_inside(64, 8, 128) and not rotates_inside(256, 8, 128)
+
+
 def test_the_one_row_kernel_takes_its_devices_config_for_the_widths_measured(monkeypatch):
     """gemv.ROW_CONFIGS by a part of the device's name, the first entry whose K range takes the
     product's K; other devices and other widths take the kernel's own config (None). few_rows'

@@ -133,7 +133,7 @@ def rope_store_and_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos
     each a different sequence's one new token: no row reads another's K/V, so the part of each
     (sequence, KV head) that reads the new token's position rotates and writes it first. q (B, H, D),
     k and v (B, kv_heads, D) as the qkv projection leaves them (views of its rows, unrotated); cos,
-    sin (B, 1, D). graphs.DISTINCT_MIN_ROWS says where it pays."""
+    sin (B, 1, D). graphs.rotates_inside says where it pays."""
     return _decode_triton(q, k_cache, v_cache, tables, lens, block_size,
                           rope=(k, v, cos.reshape(len(q), -1), sin.reshape(len(q), -1), slots))
 

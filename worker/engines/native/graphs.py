@@ -24,6 +24,12 @@ except ImportError:  # without Triton: no graphs of distinct rows, inputs copied
     triton = None
 
 
+def rotates_inside(rows: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether the graph of `rows` distinct rows has its attention kernel rotate and write K/V
+    (DISTINCT_MIN_ROWS, DISTINCT_WIDE_HEADS_MAX); else only the graph of rows side by side runs them."""
+    return rows >= DISTINCT_MIN_ROWS and (head_dim <= 64 or rows * kv_heads <= DISTINCT_WIDE_HEADS_MAX)
+
+
 def graph_sizes(max_batch: int) -> list[int]:
     sizes = [size for size in (1, 2, 4, 8) if size <= max_batch] + list(range(16, max_batch + 1, 16))
     return sorted(set(sizes) | {max_batch})
@@ -36,6 +42,13 @@ prompts and 256 new tokens, alternated in one process, three rounds): 1.084 agai
 at batch 16 and 1.303 against 1.341 at 64; later, 1.087 / 1.098 / 1.116 against 1.101 / 1.105 /
 1.129 at batch 2 / 4 / 8. At batch 1 it took a step from 0.829 to 0.875 ms, so one row keeps the
 two kernels (or, where gemv.ROPE_INSIDE says, rotates inside the qkv projection)."""
+DISTINCT_WIDE_HEADS_MAX = 128
+"""With heads wider than 64, graphs of distinct rows only up to this many (row, KV head) programs:
+the attention kernel that also rotates holds more registers, and where many programs share the SMs
+it is the slower. On an H200, 16 calls in a CUDA graph, us a layer at a 256-token context, the rope
+kernel then attention against the one kernel: head_dim 128, batch 2 9.1 / 7.6, 16 9.3 / 7.2, but 64
+23.2 / 25.3, 128 40.0 / 42.1, 256 72.7 / 78.5 (133.6 / 145.4 at 512 tokens); head_dim 64 loses
+nowhere (64 11.3 / 9.0, 128 26.2 / 25.1, 256 42.5 / 43.0, at 512 tokens 78.1 / 77.4)."""
 
 FEED_BYTES = 1 << 18
 """Up to this many bytes of block tables (256 rows of 4k-token contexts), a step's inputs go in by a
@@ -82,7 +95,8 @@ class DecodeGraphs:
         pool = None
         side = torch.cuda.Stream(device)
         for size in reversed(self.sizes):  # largest first, so the smaller ones fit in its memory pool
-            for distinct in (False, True) if triton is not None and size >= DISTINCT_MIN_ROWS else (False,):
+            inside = triton is not None and rotates_inside(size, model.config.num_kv_heads, model.config.head_dim)
+            for distinct in (False, True) if inside else (False,):
                 batch = Batch(self.input_ids[:size], self.positions[:size], self.slots[:size], [], [], [],
                               self.every_row[:size], block_size, prefills=[], decode_tables=self.tables[:size],
                               decode_lens=self.lens[:size], distinct=distinct)
