@@ -24,12 +24,6 @@ except ImportError:  # without Triton: no graphs of distinct rows, inputs copied
     triton = None
 
 
-def rotates_inside(rows: int, kv_heads: int, head_dim: int) -> bool:
-    """Whether the graph of `rows` distinct rows has its attention kernel rotate and write K/V
-    (DISTINCT_MIN_ROWS, DISTINCT_WIDE_HEADS_MAX); else only the graph of rows side by side runs them."""
-    return rows >= DISTINCT_MIN_ROWS and (head_dim <= 64 or rows * kv_heads <= DISTINCT_WIDE_HEADS_MAX)
-
-
 def graph_sizes(max_batch: int) -> list[int]:
     sizes = [size for size in (1, 2, 4, 8) if size <= max_batch] + list(range(16, max_batch + 1, 16))
     return sorted(set(sizes) | {max_batch})
@@ -47,8 +41,16 @@ DISTINCT_WIDE_HEADS_MAX = 128
 the attention kernel that also rotates holds more registers, and where many programs share the SMs
 it is the slower. On an H200, 16 calls in a CUDA graph, us a layer at a 256-token context, the rope
 kernel then attention against the one kernel: head_dim 128, batch 2 9.1 / 7.6, 16 9.3 / 7.2, but 64
-23.2 / 25.3, 128 40.0 / 42.1, 256 72.7 / 78.5 (133.6 / 145.4 at 512 tokens); head_dim 64 loses
-nowhere (64 11.3 / 9.0, 128 26.2 / 25.1, 256 42.5 / 43.0, at 512 tokens 78.1 / 77.4)."""
+23.2 / 25.3, 128 40.0 / 42.1, 256 72.7 / 78.5 (133.6 / 145.4 at 512 tokens); head_dim 64 is ahead
+up to 128 rows (64 11.3 / 9.0, 128 26.2 / 25.1) and within 0.6 us either way at 256 (42.5 / 43.0,
+at 160 tokens 32.5 / 33.1, at 512 78.1 / 77.4)."""
+
+
+def rotates_inside(rows: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether the graph of `rows` distinct rows has its attention kernel rotate and write K/V
+    (DISTINCT_MIN_ROWS, DISTINCT_WIDE_HEADS_MAX); else only the graph of rows side by side runs them."""
+    return rows >= DISTINCT_MIN_ROWS and (head_dim <= 64 or rows * kv_heads <= DISTINCT_WIDE_HEADS_MAX)
+
 
 FEED_BYTES = 1 << 18
 """Up to this many bytes of block tables (256 rows of 4k-token contexts), a step's inputs go in by a
