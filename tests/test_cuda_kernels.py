@@ -250,38 +250,47 @@ def test_the_one_row_kernel_takes_its_devices_config_for_the_widths_measured(mon
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels run on CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_down_projection_takes_the_activation_as_it_reads_it(dtype):
-    """One row's SiLU-and-multiply inside the matrix-vector kernel gives the two kernels' result to
-    the bit; more rows take the two kernels."""
+def test_the_gate_up_projection_gives_its_activation_to_the_bit(dtype):
+    """A gate/up projection's SiLU-and-multiply inside its kernel (one row's gemv, with the norm
+    before it or not, and few_rows) gives what the product then the SiLU kernel give, to the bit;
+    rows no kernel here takes get the two kernels."""
     from worker.engines.native.elementwise import Elementwise
-    from worker.engines.native.gemv import RowLinear, few_rows, gemv
+    from worker.engines.native.gemv import RowLinear, few_rows, gemv, gemv_after_norm
 
     torch.manual_seed(0)
     ops = Elementwise()
     ops.use_triton()
-    for n, k in ((2048, 8192), (576, 1536)):
-        down = RowLinear(torch.nn.Linear(k, n, bias=False, device="cuda", dtype=dtype))
-        gate_up = torch.randn(1, 2 * k, device="cuda", dtype=dtype) * 3
-        assert torch.equal(down.after_silu_and_mul(gate_up, ops.silu_and_mul), down(ops.silu_and_mul(gate_up)))
-        assert torch.equal(gemv(gate_up, down.linear.weight, None, gated=True),
-                           gemv(ops.silu_and_mul(gate_up), down.linear.weight, None))
-        many = gate_up.repeat(4, 1)  # two kernels: the activation once for all the rows
-        assert torch.equal(down.after_silu_and_mul(many, ops.silu_and_mul), down(ops.silu_and_mul(many)))
+    for n, k in ((2 * 8192, 2048), (2 * 1536, 576)):  # the Llama-1B shape's and SmolLM2's
+        gate_up = RowLinear(torch.nn.Linear(k, n, bias=False, device="cuda", dtype=dtype))
+        x, residual = (torch.randn(1, k, device="cuda", dtype=dtype) for _ in range(2))
+        assert torch.equal(gemv(x, gate_up.linear.weight, None, gated=True), ops.silu_and_mul(gate_up(x)))
+        norm = torch.rand(k, device="cuda", dtype=dtype) + 0.5
+        total, activation = gate_up.after_add_rms_norm(x, residual, norm, 1e-5, gated=True)
+        assert activation.shape == (1, n // 2)
+        assert torch.equal(activation, ops.silu_and_mul(gemv_after_norm(x, residual, norm, 1e-5, gate_up.linear.weight,
+                                                                        None)[1]))
+        for rows in (2, 16, 17, 40, 65):  # from GATED_MIN_ROWS few_rows (half precision, on an H200), then torch
+            many = torch.randn(rows, k, device="cuda", dtype=dtype)
+            assert torch.equal(gate_up.activated(many, ops.silu_and_mul), ops.silu_and_mul(gate_up(many)))
     if dtype == torch.bfloat16:  # few_rows' own shapes: uneven N, a bias, every row count up to its tile
         linear = torch.nn.Linear(512, 1001, device="cuda", dtype=dtype)
+        paired = torch.nn.Linear(512, 2 * 501, device="cuda", dtype=dtype)
         narrow = (16, 256, 4, 5)  # gemv.FEW_ROWS_NARROW's, for up to 8 rows
         many = [(17, (32, 256, 4, 4)), (32, (128, 128, 4, 4)), (33, (32, 128, 4, 4)), (64, (64, 64, 4, 4))]
         for rows, config in [*itertools.product((2, 7, 16, 33), [(32, 256, 4, 3)]), (2, narrow), (7, narrow), *many]:
             x = torch.randn(rows, 512, device="cuda", dtype=dtype)
             torch.testing.assert_close(few_rows(x, linear.weight, linear.bias, *config), linear(x),
                                        atol=2e-2, rtol=2e-2)
+            assert torch.equal(few_rows(x, paired.weight, paired.bias, *config, gated=True),
+                               ops.silu_and_mul(few_rows(x, paired.weight, paired.bias, *config)))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="programmatic dependent launch needs compute capability 9.0")
 def test_kernels_launched_early_wait_for_their_inputs_in_a_graph(monkeypatch):
     """With PDL a kernel starts while the one before it runs; each must still read what that one
-    wrote. A layer's chain at batch 1 (norm, matrix-vector, rotary and cache write, attention, SiLU),
+    wrote. A layer's chain at batch 1 (norm, matrix-vector, rotary and cache write, attention, and
+    the gate/up projection with its SiLU),
     captured in a CUDA graph and replayed on a new input each time, gives what it gives launched
     without PDL: a read before the wait would see the previous replay's values."""
     from worker.engines.native import pdl
@@ -311,7 +320,7 @@ def test_kernels_launched_early_wait_for_their_inputs_in_a_graph(monkeypatch):
                               k_cache, v_cache, slots, ops.rotate)
         attended = decode_attention(q, k_cache, v_cache, tables, lens, 16, None)
         residual, h = ops.add_rms_norm(gemv(attended.view(1, -1), weights[1], None), residual, norm, 1e-5)
-        return gemv(ops.silu_and_mul(gemv(h, weights[2], None)), weights[3], None) + residual
+        return gemv(gemv(h, weights[2], None, gated=True), weights[3], None) + residual
 
     inputs = [torch.randn(1, width, device="cuda") for _ in range(20)]
     results = {}

@@ -39,19 +39,23 @@ class RowLinear(nn.Module):
         out = self._through_kernel(x, gated=False)
         return out if out is not None else self.linear(x)
 
-    def after_silu_and_mul(self, gate_up: torch.Tensor, silu_and_mul) -> torch.Tensor:
-        """linear(silu_and_mul(gate_up)); through the kernels here in one, the activation taken as it is read."""
-        out = self._through_kernel(gate_up, gated=True)
-        return out if out is not None else self(silu_and_mul(gate_up))
+    def activated(self, x: torch.Tensor, silu_and_mul) -> torch.Tensor:
+        """silu_and_mul(linear(x)) of a gate/up projection ([gate | up] weights): where gemv or
+        few_rows takes x, inside its kernel, each program's outputs pairs of a gate and its up
+        column; else the product, then silu_and_mul."""
+        out = self._through_kernel(x, gated=True)
+        return out if out is not None else silu_and_mul(self(x))
 
     def after_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
-                           eps: float, rope: Rope | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+                           eps: float, rope: Rope | None = None,
+                           gated: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(x + residual, linear(rms_norm(x + residual))) for one row in one kernel, rounded as
-        elementwise.add_rms_norm rounds; None where that does not apply. `rope`: see rotating()."""
+        elementwise.add_rms_norm rounds; None where that does not apply. `rope`: see rotating();
+        gated: the projection's activation, as activated() gives it."""
         if (x.shape[0] != 1 or not x.is_cuda or x.stride(-1) != 1 or residual.stride(-1) != 1
                 or x.shape[1] > NORMED_MAX):
             return None
-        return gemv_after_norm(x, residual, norm_weight, eps, self.linear.weight, self.linear.bias, rope)
+        return gemv_after_norm(x, residual, norm_weight, eps, self.linear.weight, self.linear.bias, rope, gated)
 
     def rotating(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
         """A qkv projection of one row (takes_rope) with its rotary embedding and cache write
@@ -66,7 +70,8 @@ class RowLinear(nn.Module):
                 and rope_inside(x.device, self.linear.weight.shape[1]))
 
     def _through_kernel(self, x: torch.Tensor, gated: bool) -> torch.Tensor | None:
-        """x's product through gemv or few_rows, or None where torch's linear serves it better."""
+        """x's product (gated: its activation, as activated() gives it) through gemv or few_rows, or
+        None where torch's linear (and the SiLU kernel) serve it better."""
         if not x.is_cuda or x.stride(-1) != 1:  # the kernels read x's rows as contiguous
             return None
         weight, bias = self.linear.weight, self.linear.bias
@@ -74,10 +79,10 @@ class RowLinear(nn.Module):
             return gemv(x, weight, bias, gated)
         if (x.shape[0] <= FEW_ROWS_LIMIT and x.dtype in (torch.bfloat16, torch.float16)
                 and weight.shape[1] % 256 == 0 and pdl.supported(x.device)):  # a prompt's rows skip the lookups
-            if gated:  # each program would take all the rows' activation: at 16 rows the step took 2.1 ms, not 1.5
+            if gated and x.shape[0] < GATED_MIN_ROWS:
                 return None
             config = few_rows_config(x.device, *weight.shape, x.shape[0])
-            return few_rows(x, weight, bias, *config) if config is not None else None
+            return few_rows(x, weight, bias, *config, gated=gated) if config is not None else None
         return None
 
 
@@ -102,6 +107,13 @@ FEW_ROWS_LIMIT = 64
 """Most rows the few_rows kernel takes at all (its rows are one tile); no table may give it more."""
 FEW_ROWS_MOST = 16
 """Most rows few_rows takes on any device; more go to cuBLAS where FEW_ROWS_MANY has no entry."""
+GATED_MIN_ROWS = FEW_ROWS_MOST + 1
+"""Fewest rows (past one) whose gate/up projection gives its activation from few_rows' kernel
+(RowLinear.activated); fewer take the product, then the SiLU kernel. On an H200, the Llama-1B
+shape's engines alternated in one process (five rounds, ms a step): batch 32 / 64 1.1110 / 1.1984
+-> 1.0925 / 1.1713, but 16 1.02-1.03 -> 1.13-1.15 in three calls (the down projection through
+few_rows after it; [gate_up, down] alone in a CUDA graph: 33.3 -> 32.3 us a layer). One row's
+(gemv): batch 1 0.7877 -> 0.7793, 0.7904 -> 0.7756 in another call."""
 FEW_ROWS_MANY = {"H200": (2048, ((32, (32, 256, 4, 4), (128, 128, 4, 4)), (64, (32, 128, 4, 4), (64, 64, 4, 4))))}
 """By a part of the device's name, past FEW_ROWS_MOST rows: (deepest K, ((most rows, config for
 fewer than 8,192 outputs, config for 8,192 to 65,535), ...)); other products go to cuBLAS. On an
@@ -168,21 +180,22 @@ NORMED_MAX = 8192
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool = False,
          rope: Rope | None = None) -> torch.Tensor:
-    """x (1, K) @ weight (N, K).T (+ bias): (1, N) in x's dtype, accumulated in fp32. gated: x is
-    (1, 2K), [gate | up], and silu(gate) * up is what multiplies the weight, rounded as
-    elementwise.silu_and_mul rounds it (so the result is the same to the bit, one kernel fewer).
-    rope: the output is a qkv projection's, rotated and written to the caches (RowLinear.rotating)."""
+    """x (1, K) @ weight (N, K).T (+ bias): (1, N) in x's dtype, accumulated in fp32. gated: weight
+    is [gate | up] (N = 2I), and the result silu(gate) * up, (1, I), rounded as the product then
+    elementwise.silu_and_mul round it (the same to the bit, a kernel fewer). rope: the output is a
+    qkv projection's, rotated and written to the caches (RowLinear.rotating)."""
     return _gemv(x, weight, bias, gated=gated, rope=rope)
 
 
 def gemv_after_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                    weight: torch.Tensor, bias: torch.Tensor | None, rope: Rope | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(total, gemv(rms_norm(total) * norm_weight, weight, bias)), total = x + residual, both (1, K):
-    a layer's norm inside its next projection (a kernel fewer; every program normalizes the row,
-    program 0 writes total). The row's sum of squares adds up in another order than the norm
+                    weight: torch.Tensor, bias: torch.Tensor | None, rope: Rope | None = None,
+                    gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(total, gemv(rms_norm(total) * norm_weight, weight, bias, gated)), total = x + residual, both
+    (1, K): a layer's norm inside its next projection (a kernel fewer; every program normalizes the
+    row, program 0 writes total). The row's sum of squares adds up in another order than the norm
     kernel's, so the normalized row may differ from it in the last bit."""
     total = torch.empty_like(x)
-    return total, _gemv(x, weight, bias, norm=(residual, norm_weight, total, eps), rope=rope)
+    return total, _gemv(x, weight, bias, gated=gated, norm=(residual, norm_weight, total, eps), rope=rope)
 
 
 def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool = False,
@@ -190,7 +203,7 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gate
           rope: Rope | None = None) -> torch.Tensor:
     """The matrix-vector kernel's launch; norm: (residual, norm weight, total out, eps)."""
     n, k = weight.shape
-    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    out = torch.empty(1, n // 2 if gated else n, dtype=x.dtype, device=x.device)
     rows, tile, warps, stages = row_config(x.device, k) or (
         8 if n >= 3072 else 4,  # the fastest for the shapes above: more programs for the narrow ones
         2048,  # with PDL a whole 2048-wide row is read before the wait
@@ -243,8 +256,7 @@ other devices and K take the kernel's own config (the H100's, before these entri
   twice in one process, 5.462 / 5.463 -> 5.365 / 5.366 ms. The 1B shape's down projection (K 8192)
   moved by under 1 us. Narrower products keep the kernel's own: the best for the 1B shape's (K 2048,
   (2, 1024, 4, 3): 1,073 -> 1,058 us) made SmolLM2's step (K 576 and 1536) 50 us slower.
-Gated products (a down projection) take them too, so that the gated kernel keeps the two kernels'
-bits."""
+Gated products (a gate/up projection giving its activation) take their K's entry too."""
 
 def row_config(device: torch.device, k: int) -> tuple[int, int, int, int] | None:
     """ROW_CONFIGS' config for this device and K, or None."""
@@ -253,16 +265,16 @@ def row_config(device: torch.device, k: int) -> tuple[int, int, int, int] | None
 
 
 def few_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, bn: int, bk: int, warps: int,
-             stages: int) -> torch.Tensor:
+             stages: int, gated: bool = False) -> torch.Tensor:
     """x (M, K), M <= FEW_ROWS_LIMIT, @ weight (N, K).T (+ bias), bf16 or fp16, K a multiple of bk: each program
-    streams bn rows of W once for every row of x."""
+    streams bn rows of W once for every row of x. gated: as gemv's, (M, N / 2) out."""
     m = x.shape[0]
     n, k = weight.shape
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    out = torch.empty(m, n // 2 if gated else n, dtype=x.dtype, device=x.device)
     early = pdl.supported(x.device)
     _few_rows_kernel[(triton.cdiv(n, bn),)](
         x, weight, bias if bias is not None else weight, out, m, n, k, x.stride(0), weight.stride(0),
-        HAS_BIAS=bias is not None, BM=max(16, triton.next_power_of_2(m)), BN=bn, BK=bk, PDL=early,
+        HAS_BIAS=bias is not None, BM=max(16, triton.next_power_of_2(m)), BN=bn, BK=bk, GATED=gated, PDL=early,
         num_warps=warps, num_stages=stages, launch_pdl=early)
     return out
 
@@ -271,38 +283,57 @@ if triton is not None:
     from worker.engines.native.rotary import rotate_and_store
 
     @triton.jit
-    def _few_rows_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_x, stride_w, HAS_BIAS: tl.constexpr,
-                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
+    def _outputs(BN: tl.constexpr, N, GATED: tl.constexpr):
+        """A program's BN rows of W and which of them exist; GATED: BN / 2 pairs (gate j, up j) of a
+        [gate | up] weight, gate and up side by side."""
+        if GATED:
+            pair = tl.program_id(0) * (BN // 2) + tl.arange(0, BN) // 2
+            return pair + tl.arange(0, BN) % 2 * (N // 2), pair < N // 2
         cols = tl.program_id(0) * BN + tl.arange(0, BN)
+        return cols, cols < N
+
+    @triton.jit
+    def _silu_and_mul(sums, dtype: tl.constexpr):
+        """(R, BN) sums of _outputs' GATED pairs -> (R, BN / 2) silu(gate) * up in dtype, each step
+        rounded as the product's output then _silu_mul_kernel round it."""
+        sums = sums.to(dtype).to(tl.float32)
+        gate, up = tl.split(tl.reshape(sums, (sums.shape[0], sums.shape[1] // 2, 2)))
+        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        return (act * up).to(dtype)
+
+    @triton.jit
+    def _few_rows_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_x, stride_w, HAS_BIAS: tl.constexpr,
+                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GATED: tl.constexpr,
+                         PDL: tl.constexpr):
+        cols, valid = _outputs(BN, N, GATED)
         rows = tl.arange(0, BM)
         ks = tl.arange(0, BK)
-        w = tl.load(w_ptr + cols[:, None] * stride_w + ks[None, :], mask=(cols < N)[:, None], other=0.0,
+        w = tl.load(w_ptr + cols[:, None] * stride_w + ks[None, :], mask=valid[:, None], other=0.0,
                     eviction_policy="evict_first")
         pdl.wait_for_previous(PDL)
         x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=(rows < M)[:, None], other=0.0)
         acc = tl.dot(x, tl.trans(w))
         for start in range(BK, K, BK):
             ks = start + tl.arange(0, BK)
-            w = tl.load(w_ptr + cols[:, None] * stride_w + ks[None, :], mask=(cols < N)[:, None], other=0.0,
+            w = tl.load(w_ptr + cols[:, None] * stride_w + ks[None, :], mask=valid[:, None], other=0.0,
                         eviction_policy="evict_first")
             x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=(rows < M)[:, None], other=0.0)
             acc = tl.dot(x, tl.trans(w), acc)
         if HAS_BIAS:
-            acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=(rows < M)[:, None] & (cols < N)[None, :])
+            acc += tl.load(bias_ptr + cols, mask=valid, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            cols = tl.program_id(0) * (BN // 2) + tl.arange(0, BN // 2)
+            tl.store(out_ptr + rows[:, None] * (N // 2) + cols[None, :], _silu_and_mul(acc, out_ptr.dtype.element_ty),
+                     mask=(rows < M)[:, None] & (cols < N // 2)[None, :])
+        else:
+            tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                     mask=(rows < M)[:, None] & valid[None, :])
 
     @triton.jit
-    def _row_tile(x_ptr, ks, K, residual_ptr, norm_ptr, scale, GATED: tl.constexpr, NORM: tl.constexpr):
-        """x's values at ks, in fp32; GATED: silu(gate) * up from x = [gate | up], rounded to x's dtype at
-        each step as _silu_mul_kernel rounds; NORM: norm * rms_norm(x + residual), `scale` the row's
-        1 / rms, rounded as _norm_kernel rounds."""
+    def _row_tile(x_ptr, ks, K, residual_ptr, norm_ptr, scale, NORM: tl.constexpr):
+        """x's values at ks, in fp32; NORM: norm * rms_norm(x + residual), `scale` the row's 1 / rms,
+        rounded as _norm_kernel rounds."""
         mask = ks < K
-        if GATED:
-            gate = tl.load(x_ptr + ks, mask=mask, other=0.0).to(tl.float32)
-            up = tl.load(x_ptr + K + ks, mask=mask, other=0.0).to(tl.float32)
-            act = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty).to(tl.float32)
-            return (act * up).to(x_ptr.dtype.element_ty).to(tl.float32)
         if NORM:
             total = tl.load(x_ptr + ks, mask=mask, other=0.0).to(tl.float32)
             total += tl.load(residual_ptr + ks, mask=mask, other=0.0).to(tl.float32)
@@ -320,11 +351,12 @@ if triton is not None:
         if ROPE:  # the program's BN // 2 pairs (d, d + HALF) of one head: rows [d's..., (d + HALF)'s...]
             pair = tl.program_id(0) * (BN // 2) + tl.arange(0, BN) % (BN // 2)
             rows = pair // HALF * (2 * HALF) + tl.arange(0, BN) // (BN // 2) * HALF + pair % HALF
+            valid = rows < N
         else:
-            rows = tl.program_id(0) * BN + tl.arange(0, BN)
+            rows, valid = _outputs(BN, N, GATED)
         # The first tile of W, read before the wait: no kernel writes the weights.
         ks = tl.arange(0, BK)
-        mask = rows[:, None] < N
+        mask = valid[:, None]
         if not EVEN_K:
             mask = mask & (ks[None, :] < K)
         w = tl.load(w_ptr + rows[:, None] * stride_w + ks[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
@@ -347,19 +379,23 @@ if triton is not None:
                 tl.store(total_ptr + row, total, mask=row < K)
             total = total.to(tl.float32)
             scale = tl.rsqrt(tl.sum(total * total, axis=0) / K + eps)
-        acc = w.to(tl.float32) * _row_tile(x_ptr, ks, K, residual_ptr, norm_ptr, scale, GATED, NORM)[None, :]
+        acc = w.to(tl.float32) * _row_tile(x_ptr, ks, K, residual_ptr, norm_ptr, scale, NORM)[None, :]
         for start in range(BK, K, BK):
             ks = start + tl.arange(0, BK)
-            mask = rows[:, None] < N
+            mask = valid[:, None]
             if not EVEN_K:
                 mask = mask & (ks[None, :] < K)
             w = tl.load(w_ptr + rows[:, None] * stride_w + ks[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
-            acc += w.to(tl.float32) * _row_tile(x_ptr, ks, K, residual_ptr, norm_ptr, scale, GATED, NORM)[None, :]
+            acc += w.to(tl.float32) * _row_tile(x_ptr, ks, K, residual_ptr, norm_ptr, scale, NORM)[None, :]
         out = tl.sum(acc, 1)
         if HAS_BIAS:
-            out += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
+            out += tl.load(bias_ptr + rows, mask=valid, other=0.0).to(tl.float32)
         if ROPE:
             rotate_and_store(out.to(out_ptr.dtype.element_ty), out_ptr, cos1, cos2, sin1, sin2, slot, k_cache_ptr,
                               v_cache_ptr, q_width, kv_width, stride_cache, BN // 2, HALF)
+        elif GATED:
+            pairs = tl.program_id(0) * (BN // 2) + tl.arange(0, BN // 2)
+            act = _silu_and_mul(tl.reshape(out, (1, BN)), out_ptr.dtype.element_ty)
+            tl.store(out_ptr + pairs, tl.reshape(act, (BN // 2,)), mask=pairs < N // 2)
         else:
-            tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=rows < N)
+            tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=valid)

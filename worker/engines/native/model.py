@@ -99,16 +99,22 @@ class RMSNorm(nn.Module):
         return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
     def then(self, linear: nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
-             rope: Rope | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             rope: Rope | None = None, gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + residual, linear(its norm)): the residual stream and the next sublayer's projection
         (residual None: x itself). One row on CUDA takes one kernel (RowLinear.after_add_rms_norm).
-        rope (Attention.rope_inside): the projection's kernel rotates and writes the cache too."""
+        rope (Attention.rope_inside): the projection's kernel rotates and writes the cache too;
+        gated: a gate/up projection, silu(gate) * up in its place (inside its kernel on CUDA)."""
         if residual is not None and isinstance(linear, RowLinear):
-            fused = linear.after_add_rms_norm(x, residual, self.weight, self.eps, rope)
+            fused = linear.after_add_rms_norm(x, residual, self.weight, self.eps, rope, gated)
             if fused is not None:
                 return fused
         residual, h = (x, self(x)) if residual is None else self.add(x, residual)
-        return residual, linear(h) if rope is None else linear.rotating(h, rope)
+        if rope is not None:
+            return residual, linear.rotating(h, rope)
+        if gated:
+            return residual, (linear.activated(h, self.ops.silu_and_mul) if isinstance(linear, RowLinear)
+                              else self.ops.silu_and_mul(linear(h)))
+        return residual, linear(h)
 
 
 class Attention(nn.Module):
@@ -162,7 +168,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, ops: Elementwise):
         super().__init__()
         self.self_attn = Attention(config, ops)
-        self.mlp = MLP(config, ops)
+        self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
@@ -172,22 +178,18 @@ class DecoderLayer(nn.Module):
         rope = self.self_attn.rope_inside(x, cos, sin, batch, k_cache, v_cache)
         residual, qkv = self.input_layernorm.then(self.self_attn.qkv_proj, x, residual, rope)
         attended = self.self_attn(qkv, cos, sin, batch, k_cache, v_cache, rotated=rope is not None)
-        residual, gate_up = self.post_attention_layernorm.then(self.mlp.gate_up_proj, attended, residual)
-        return self.mlp(gate_up), residual
+        residual, activation = self.post_attention_layernorm.then(self.mlp.gate_up_proj, attended, residual, gated=True)
+        return self.mlp.down_proj(activation), residual
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, ops: Elementwise):
+    """Its projections; DecoderLayer runs them, gate_up_proj with the norm before it and the
+    activation after it (RMSNorm.then)."""
+
+    def __init__(self, config: ModelConfig):
         super().__init__()
-        self.ops = ops
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
-
-    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """The MLP's output from its gate/up projection (DecoderLayer runs gate_up_proj with the norm)."""
-        if isinstance(self.down_proj, RowLinear):  # CUDA: one row's activation inside the down projection's kernel
-            return self.down_proj.after_silu_and_mul(gate_up, self.ops.silu_and_mul)
-        return self.down_proj(self.ops.silu_and_mul(gate_up))
 
 
 class LlamaModel(nn.Module):

@@ -27,8 +27,9 @@ def prompt(first: int, length: int, vocab: int) -> list[int]:
 
 async def warm_up(engine) -> None:
     """Runs, on `engine` (loaded, on CUDA), with every prompt chunk a prefill: a request decoding
-    throughout; beside it a fresh prompt, one after its cached blocks with 8 new tokens, one with
-    40 beside 32 short prompts, a sampled one alone and one beside 32 more."""
+    throughout; beside it a fresh prompt, one after its cached blocks with 8 new tokens, prompts of
+    20 and 40 tokens, one with 40 new tokens beside 32 short prompts, a sampled one alone and one
+    beside 32 more."""
     vocab, block = engine.info.vocab_size, engine.blocks.block_size
     room = min(engine.info.max_model_len - 64, engine.kv_budget_tokens() // 4) // block * block
     if room < 2 * block:
@@ -46,6 +47,8 @@ async def warm_up(engine) -> None:
         await decoding.wait()
         await run("fresh", shared, 1)
         await run("cached-8", shared + prompt(13, 8, vocab), 1)  # alone: a step's longest query picks the variant
+        for length in (20, 40):  # steps of 17-63 rows: few_rows' gate/up with its activation (gemv.GATED_MIN_ROWS)
+            await run(f"rows-{length}", prompt(29 + length, length, vocab), 1)
         await asyncio.gather(run("cached-40", shared + prompt(17, 40, vocab), 1), *shorts("greedy"))
         await run("sampled", prompt(19, 4, vocab), 2, **SAMPLED)  # sampling chooses over float logits
         await asyncio.gather(run("sampled-many", prompt(23, 4, vocab), 2, **SAMPLED), *shorts("beside-sampled"))
