@@ -1,7 +1,7 @@
 """The native engine's CUDA path (these tests skip without a CUDA GPU): steps launched ahead of
 their predecessors' tokens, speculation's verify rows and short prompts in the decode graphs. The
-kernels themselves: tests/test_cuda_kernels.py; what the engine thread does not wait for:
-tests/test_cuda_waits.py."""
+kernels themselves: tests/test_cuda_kernels.py and tests/test_cuda_linear.py; what the engine
+thread does not wait for: tests/test_cuda_waits.py."""
 
 import asyncio
 import collections

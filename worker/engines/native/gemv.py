@@ -1,5 +1,4 @@
-"""Linear layers for one row on CUDA (a batch-1 decode step), as a Triton matrix-vector kernel, and
-for a few rows (2-16) as a Triton kernel that streams each weight once.
+"""The linear products of one row on CUDA (a batch-1 decode step), as a Triton matrix-vector kernel.
 
 At batch 1 a decode step is these products and little else: each reads its weight once for 2 flops
 a weight, so what counts is how near the read comes to the memory's bandwidth. For the Llama-1B
@@ -7,16 +6,16 @@ shapes on an H100, cuBLAS's kernels for one row took 7.0 / 6.4 / 25.4 / 16.3 / 1
 gate_up, down with its split-K reduce, lm_head); this kernel 6.2 / 4.8 / 23.7 / 13.4 / 166, 10% of
 the step (each timed in a CUDA graph, over copies of the weight larger than L2). Each program
 streams its BN rows of W in (BN, BK) tiles, read once and so marked evict-first. Launched with PDL
-(pdl.py), both kernels read their first tile of W while the kernel before them still runs: a
-16-layer chain of the 1B shape's kernels at batch 1 took 874 us with 2048-wide tiles (a whole row
-read ahead), 891 with 1024 and 996 with 512. Asking L2 for a program's whole slice of W ahead
-(`prefetch.global.L2`) made the same chain slower, 1,047 against 933 us.
+(pdl.py), it reads its first tile of W while the kernel before it still runs: a 16-layer chain of
+the 1B shape's kernels at batch 1 took 874 us with 2048-wide tiles (a whole row read ahead), 891
+with 1024 and 996 with 512. Asking L2 for a program's whole slice of W ahead (`prefetch.global.L2`)
+made the same chain slower, 1,047 against 933 us. few_rows.py is its counterpart for a few rows;
+linear.RowLinear picks between them and cuBLAS.
 """
 
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from worker.engines.native import pdl
 from worker.engines.native.rotary import Rope
@@ -28,110 +27,6 @@ except ImportError:  # CPU installs have no Triton
     triton = None
 
 
-class RowLinear(nn.Module):
-    """`linear`, through the kernels here for one row (and, with PDL, a few rows in half precision)."""
-
-    def __init__(self, linear: nn.Linear):
-        super().__init__()
-        self.linear = linear
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self._through_kernel(x, gated=False)
-        return out if out is not None else self.linear(x)
-
-    def activated(self, x: torch.Tensor, silu_and_mul) -> torch.Tensor:
-        """silu_and_mul(linear(x)) of a gate/up projection ([gate | up] weights): where gemv or
-        few_rows takes x, inside its kernel, each program's outputs pairs of a gate and its up
-        column; else the product, then silu_and_mul."""
-        out = self._through_kernel(x, gated=True)
-        return out if out is not None else silu_and_mul(self(x))
-
-    def after_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
-                           eps: float, rope: Rope | None = None,
-                           gated: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(x + residual, linear(rms_norm(x + residual))) for one row in one kernel, rounded as
-        elementwise.add_rms_norm rounds; None where that does not apply. `rope`: see rotating();
-        gated: the projection's activation, as activated() gives it."""
-        if (x.shape[0] != 1 or not x.is_cuda or x.stride(-1) != 1 or residual.stride(-1) != 1
-                or x.shape[1] > NORMED_MAX):
-            return None
-        return gemv_after_norm(x, residual, norm_weight, eps, self.linear.weight, self.linear.bias, rope, gated)
-
-    def rotating(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
-        """A qkv projection of one row (takes_rope) with its rotary embedding and cache write
-        inside: q and k rotated as rotary.rope_and_store rotates them, k and v written at the
-        row's slot (rotary.rotate_and_store)."""
-        return gemv(x, self.linear.weight, self.linear.bias, rope=rope)
-
-    def takes_rope(self, x: torch.Tensor, head_dim: int) -> bool:
-        """Whether rotating() takes x and pays: one contiguous row on CUDA, heads whose halves a
-        program's pairs of outputs divide (it takes up to 8 pairs), a device and K of ROPE_INSIDE."""
-        return (triton is not None and x.shape[0] == 1 and x.is_cuda and x.stride(-1) == 1 and head_dim % 16 == 0
-                and rope_inside(x.device, self.linear.weight.shape[1]))
-
-    def _through_kernel(self, x: torch.Tensor, gated: bool) -> torch.Tensor | None:
-        """x's product (gated: its activation, as activated() gives it) through gemv or few_rows, or
-        None where torch's linear (and the SiLU kernel) serve it better."""
-        if not x.is_cuda or x.stride(-1) != 1:  # the kernels read x's rows as contiguous
-            return None
-        weight, bias = self.linear.weight, self.linear.bias
-        if x.shape[0] == 1:
-            return gemv(x, weight, bias, gated)
-        if (x.shape[0] <= FEW_ROWS_LIMIT and x.dtype in (torch.bfloat16, torch.float16)
-                and weight.shape[1] % 256 == 0 and pdl.supported(x.device)):  # a prompt's rows skip the lookups
-            if gated and x.shape[0] < GATED_MIN_ROWS:
-                return None
-            config = few_rows_config(x.device, *weight.shape, x.shape[0])
-            return few_rows(x, weight, bias, *config, gated=gated) if config is not None else None
-        return None
-
-
-FEW_ROWS = (32, 256, 4, 5)
-FEW_ROWS_WIDE = (64, 128, 4, 5)
-"""few_rows' (bn, bk, warps, stages): the fastest at 16 rows for the Llama-1B shapes on an H100, each after
-a norm kernel and launched with PDL (us, cuBLAS's in brackets): qkv 8.1 (8.6), o 7.1 (7.5), down 17.1
-(17.5), lm_head 180 (193); the wide one for gate_up, 27.2 (28.4). At 64 rows cuBLAS was as fast or
-faster (down 18.7 against 19.7), so more rows go to it."""
-FEW_ROWS_NARROW = {"H200": (2048, 8, (16, 256, 4, 5))}
-"""By a part of the device's name: (widest N, most rows, config) for products of at most that many
-outputs and rows. On an H200, the Llama-1B shape's down projection (2,048 x 8,192) and o (2,048 x
-2,048), each over 16 layers' weights in a CUDA graph with PDL, us a layer at 2 / 8 / 16 rows: down
-12.98 / 13.00 / 13.10 against FEW_ROWS' 15.77 / 15.82 / 13.58 (7.82 of bytes), o 5.02 / 5.08 / 5.26
-against 5.44 / 5.48 / 5.46 (1.96): 64 programs of 32 outputs leave half the SMs idle. Through the
-engine (two engines alternated in one process, three rounds) a step took 1.072 / 1.080 / 1.096 ms
-against 1.094 / 1.103 / 1.122 at batch 2 / 4 / 8, but 1.104 against 1.089 at 16, which keeps
-FEW_ROWS. qkv (3,072) and gate_up (16,384) were fastest with their own."""
-
-
-FEW_ROWS_LIMIT = 64
-"""Most rows the few_rows kernel takes at all (its rows are one tile); no table may give it more."""
-FEW_ROWS_MOST = 16
-"""Most rows few_rows takes on any device; more go to cuBLAS where FEW_ROWS_MANY has no entry."""
-GATED_MIN_ROWS = FEW_ROWS_MOST + 1
-"""Fewest rows (past one) whose gate/up projection gives its activation from few_rows' kernel
-(RowLinear.activated); fewer take the product, then the SiLU kernel. On an H200, the Llama-1B
-shape's engines alternated in one process (five rounds, ms a step): batch 32 / 64 1.1110 / 1.1984
--> 1.0925 / 1.1713, but 16 1.02-1.03 -> 1.13-1.15 in three calls (the down projection through
-few_rows after it; [gate_up, down] alone in a CUDA graph: 33.3 -> 32.3 us a layer). One row's
-(gemv): batch 1 0.7877 -> 0.7793, 0.7904 -> 0.7756 in another call."""
-FEW_ROWS_MANY = {"H200": (2048, ((32, (32, 256, 4, 4), (128, 128, 4, 4)), (64, (32, 128, 4, 4), (64, 64, 4, 4))))}
-"""By a part of the device's name, past FEW_ROWS_MOST rows: (deepest K, ((most rows, config for
-fewer than 8,192 outputs, config for 8,192 to 65,535), ...)); other products go to cuBLAS. On an
-H200 the Llama-1B shape's qkv, o and gate_up, each after a norm kernel in a CUDA graph, were as
-fast as cuBLAS's at 32 and 64 rows (us a layer at 64: 8.09 / 7.69 / 20.68 against 7.86 / 7.38 /
-20.83), the down projection and the LM head slower; through the engine (two engines alternated in
-one process, three rounds) a step took 1.177 / 1.231 / 1.280 ms at batch 32 / 48 / 64 against
-1.205 / 1.271 / 1.305 with them through cuBLAS: PDL overlaps their launches as it does the
-kernels' around them."""
-FEW_ROWS_DEEPEST = {"H200": 8192}
-"""By a part of the device's name: the deepest K few_rows takes; deeper products go to cuBLAS. On an
-H200 that is the Llama-8B shape's down projection (4,096 x 14,336): three engines alternated in one
-process, three rounds, a step took 4.614 / 4.712 ms at batch 8 / 16 with it through cuBLAS against
-4.761 / 4.944 through few_rows, and 4.672 / 4.772 with every product through cuBLAS. The Llama-1B
-shape's (K 8,192) was no faster so (1.070 / 1.082 / 1.095 / 1.085 against 1.069 / 1.075 / 1.094 /
-1.083 at batch 2 / 4 / 8 / 16; every product through cuBLAS 1.114-1.152)."""
-
-
 _NAMES: dict[torch.device, str] = {}
 
 
@@ -141,20 +36,6 @@ def for_device(table: dict, device: torch.device):
     if device not in _NAMES:
         _NAMES[device] = torch.cuda.get_device_name(device)
     return next((entry for key, entry in table.items() if key in _NAMES[device]), None)
-
-
-def few_rows_config(device: torch.device, n: int, k: int, m: int) -> tuple[int, int, int, int] | None:
-    """few_rows' config for m rows of an (n, k) product on this device; None: torch's linear."""
-    if k > (for_device(FEW_ROWS_DEEPEST, device) or k):
-        return None
-    if m > FEW_ROWS_MOST:
-        deepest, steps = for_device(FEW_ROWS_MANY, device) or (0, ())
-        step = next(((narrow, wide) for most, narrow, wide in steps if m <= most), None)
-        return None if step is None or k > deepest or n >= 65536 else step[n >= 8192]
-    narrow = for_device(FEW_ROWS_NARROW, device)
-    if narrow is not None and n <= narrow[0] and m <= narrow[1]:
-        return narrow[2]
-    return FEW_ROWS_WIDE if 8192 <= n < 65536 else FEW_ROWS
 
 
 ROPE_INSIDE = {"H200": 2048}
@@ -264,26 +145,11 @@ def row_config(device: torch.device, k: int) -> tuple[int, int, int, int] | None
     return next((config for narrowest, widest, config in entries if narrowest <= k <= widest), None)
 
 
-def few_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, bn: int, bk: int, warps: int,
-             stages: int, gated: bool = False) -> torch.Tensor:
-    """x (M, K), M <= FEW_ROWS_LIMIT, @ weight (N, K).T (+ bias), bf16 or fp16, K a multiple of bk: each program
-    streams bn rows of W once for every row of x. gated: as gemv's, (M, N / 2) out."""
-    m = x.shape[0]
-    n, k = weight.shape
-    out = torch.empty(m, n // 2 if gated else n, dtype=x.dtype, device=x.device)
-    early = pdl.supported(x.device)
-    _few_rows_kernel[(triton.cdiv(n, bn),)](
-        x, weight, bias if bias is not None else weight, out, m, n, k, x.stride(0), weight.stride(0),
-        HAS_BIAS=bias is not None, BM=max(16, triton.next_power_of_2(m)), BN=bn, BK=bk, GATED=gated, PDL=early,
-        num_warps=warps, num_stages=stages, launch_pdl=early)
-    return out
-
-
 if triton is not None:
     from worker.engines.native.rotary import rotate_and_store
 
     @triton.jit
-    def _outputs(BN: tl.constexpr, N, GATED: tl.constexpr):
+    def output_rows(BN: tl.constexpr, N, GATED: tl.constexpr):
         """A program's BN rows of W and which of them exist; GATED: BN / 2 pairs (gate j, up j) of a
         [gate | up] weight, gate and up side by side."""
         if GATED:
@@ -293,41 +159,13 @@ if triton is not None:
         return cols, cols < N
 
     @triton.jit
-    def _silu_and_mul(sums, dtype: tl.constexpr):
-        """(R, BN) sums of _outputs' GATED pairs -> (R, BN / 2) silu(gate) * up in dtype, each step
+    def silu_of_pairs(sums, dtype: tl.constexpr):
+        """(R, BN) sums of output_rows' GATED pairs -> (R, BN / 2) silu(gate) * up in dtype, each step
         rounded as the product's output then _silu_mul_kernel round it."""
         sums = sums.to(dtype).to(tl.float32)
         gate, up = tl.split(tl.reshape(sums, (sums.shape[0], sums.shape[1] // 2, 2)))
         act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
         return (act * up).to(dtype)
-
-    @triton.jit
-    def _few_rows_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_x, stride_w, HAS_BIAS: tl.constexpr,
-                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GATED: tl.constexpr,
-                         PDL: tl.constexpr):
-        cols, valid = _outputs(BN, N, GATED)
-        rows = tl.arange(0, BM)
-        ks = tl.arange(0, BK)
-        w = tl.load(w_ptr + cols[:, None] * stride_w + ks[None, :], mask=valid[:, None], other=0.0,
-                    eviction_policy="evict_first")
-        pdl.wait_for_previous(PDL)
-        x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=(rows < M)[:, None], other=0.0)
-        acc = tl.dot(x, tl.trans(w))
-        for start in range(BK, K, BK):
-            ks = start + tl.arange(0, BK)
-            w = tl.load(w_ptr + cols[:, None] * stride_w + ks[None, :], mask=valid[:, None], other=0.0,
-                        eviction_policy="evict_first")
-            x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=(rows < M)[:, None], other=0.0)
-            acc = tl.dot(x, tl.trans(w), acc)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + cols, mask=valid, other=0.0).to(tl.float32)[None, :]
-        if GATED:
-            cols = tl.program_id(0) * (BN // 2) + tl.arange(0, BN // 2)
-            tl.store(out_ptr + rows[:, None] * (N // 2) + cols[None, :], _silu_and_mul(acc, out_ptr.dtype.element_ty),
-                     mask=(rows < M)[:, None] & (cols < N // 2)[None, :])
-        else:
-            tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-                     mask=(rows < M)[:, None] & valid[None, :])
 
     @triton.jit
     def _row_tile(x_ptr, ks, K, residual_ptr, norm_ptr, scale, NORM: tl.constexpr):
@@ -353,7 +191,7 @@ if triton is not None:
             rows = pair // HALF * (2 * HALF) + tl.arange(0, BN) // (BN // 2) * HALF + pair % HALF
             valid = rows < N
         else:
-            rows, valid = _outputs(BN, N, GATED)
+            rows, valid = output_rows(BN, N, GATED)
         # The first tile of W, read before the wait: no kernel writes the weights.
         ks = tl.arange(0, BK)
         mask = valid[:, None]
@@ -395,7 +233,7 @@ if triton is not None:
                               v_cache_ptr, q_width, kv_width, stride_cache, BN // 2, HALF)
         elif GATED:
             pairs = tl.program_id(0) * (BN // 2) + tl.arange(0, BN // 2)
-            act = _silu_and_mul(tl.reshape(out, (1, BN)), out_ptr.dtype.element_ty)
+            act = silu_of_pairs(tl.reshape(out, (1, BN)), out_ptr.dtype.element_ty)
             tl.store(out_ptr + pairs, tl.reshape(act, (BN // 2,)), mask=pairs < N // 2)
         else:
             tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=valid)

@@ -1,6 +1,8 @@
-"""Linear layers for CPUs: the weight laid out once, at load, for the kernel that reads it.
+"""Linear layers: each product taken to the kernel that reads its weight fastest.
 
-A decode step on a CPU is mostly its linear layers reading their weights, so these decide its speed:
+On CUDA, `RowLinear` sends one row to gemv.py's kernel, a few rows to few_rows.py's and more to
+torch's (cuBLAS). A decode step on a CPU is mostly its linear layers reading their weights, laid out
+once, at load, for the kernel that reads them:
 - `PackedLinear`: the full-precision weight in oneDNN's blocked layout (fp32 or bf16), or bf16 as
   it is where oneDNN has no bf16.
 - `QuantLinear` (engine.args.quantization=int4): weight-only, 4 bits for the decoder layers and 8
@@ -13,7 +15,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from worker.engines.native import kernels
+from worker.engines.native import kernels, pdl
+from worker.engines.native.few_rows import FEW_ROWS_LIMIT, GATED_MIN_ROWS, few_rows, few_rows_config
+from worker.engines.native.gemv import NORMED_MAX, gemv, gemv_after_norm, rope_inside, triton
+from worker.engines.native.rotary import Rope
 
 GROUP = 32
 """Inputs per int4 scale/offset. The embedded model comes from a Q4_1 GGUF, whose blocks are 32
@@ -101,3 +106,62 @@ class QuantLinear(nn.Module):
     @staticmethod
     def fits(linear: nn.Linear) -> bool:
         return linear.in_features % GROUP == 0
+
+
+class RowLinear(nn.Module):
+    """`linear` on CUDA: one row through gemv's kernel, a few rows in half precision (with PDL)
+    through few_rows', others through torch's."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._through_kernel(x, gated=False)
+        return out if out is not None else self.linear(x)
+
+    def activated(self, x: torch.Tensor, silu_and_mul) -> torch.Tensor:
+        """silu_and_mul(linear(x)) of a gate/up projection ([gate | up] weights): where gemv or
+        few_rows takes x, inside its kernel, each program's outputs pairs of a gate and its up
+        column; else the product, then silu_and_mul."""
+        out = self._through_kernel(x, gated=True)
+        return out if out is not None else silu_and_mul(self(x))
+
+    def after_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                           eps: float, rope: Rope | None = None,
+                           gated: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(x + residual, linear(rms_norm(x + residual))) for one row in one kernel, rounded as
+        elementwise.add_rms_norm rounds; None where that does not apply. `rope`: see rotating();
+        gated: the projection's activation, as activated() gives it."""
+        if (x.shape[0] != 1 or not x.is_cuda or x.stride(-1) != 1 or residual.stride(-1) != 1
+                or x.shape[1] > NORMED_MAX):
+            return None
+        return gemv_after_norm(x, residual, norm_weight, eps, self.linear.weight, self.linear.bias, rope, gated)
+
+    def rotating(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
+        """A qkv projection of one row (takes_rope) with its rotary embedding and cache write
+        inside: q and k rotated as rotary.rope_and_store rotates them, k and v written at the
+        row's slot (rotary.rotate_and_store)."""
+        return gemv(x, self.linear.weight, self.linear.bias, rope=rope)
+
+    def takes_rope(self, x: torch.Tensor, head_dim: int) -> bool:
+        """Whether rotating() takes x and pays: one contiguous row on CUDA, heads whose halves a
+        program's pairs of outputs divide (it takes up to 8 pairs), a device and K of ROPE_INSIDE."""
+        return (triton is not None and x.shape[0] == 1 and x.is_cuda and x.stride(-1) == 1 and head_dim % 16 == 0
+                and rope_inside(x.device, self.linear.weight.shape[1]))
+
+    def _through_kernel(self, x: torch.Tensor, gated: bool) -> torch.Tensor | None:
+        """x's product (gated: its activation, as activated() gives it) through gemv or few_rows, or
+        None where torch's linear (and the SiLU kernel) serve it better."""
+        if not x.is_cuda or x.stride(-1) != 1:  # the kernels read x's rows as contiguous
+            return None
+        weight, bias = self.linear.weight, self.linear.bias
+        if x.shape[0] == 1:
+            return gemv(x, weight, bias, gated)
+        if (x.shape[0] <= FEW_ROWS_LIMIT and x.dtype in (torch.bfloat16, torch.float16)
+                and weight.shape[1] % 256 == 0 and pdl.supported(x.device)):  # a prompt's rows skip the lookups
+            if gated and x.shape[0] < GATED_MIN_ROWS:
+                return None
+            config = few_rows_config(x.device, *weight.shape, x.shape[0])
+            return few_rows(x, weight, bias, *config, gated=gated) if config is not None else None
+        return None

@@ -20,8 +20,8 @@ from worker.engines.native import kernels
 from worker.engines.native.attention import decode_attention, prefill_attention, rope_store_and_decode
 from worker.engines.native.batch import Batch
 from worker.engines.native.elementwise import Elementwise
-from worker.engines.native.gemv import RowLinear, triton
-from worker.engines.native.linear import PackedLinear, QuantLinear
+from worker.engines.native.gemv import triton
+from worker.engines.native.linear import PackedLinear, QuantLinear, RowLinear
 from worker.engines.native.rotary import Rope, rope_and_store
 
 SUPPORTED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}

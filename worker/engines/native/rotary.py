@@ -3,7 +3,7 @@
 `rope_and_store` rotates q and k and writes k and v at each token's slot: a Triton kernel on CUDA,
 the C++ kernel of kernels.py on CPUs once built, torch elsewhere. `rotate` is the rotation it, the
 decode-attention kernel (attention.rope_store_and_decode) and the one-row qkv kernel's epilogue
-(`rotate_and_store`, gemv.RowLinear.rotating) use, so that the three give the same bits.
+(`rotate_and_store`, linear.RowLinear.rotating) use, so that the three give the same bits.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ except ImportError:  # CPU installs have no Triton; the paths below without it s
 
 
 class Rope(NamedTuple):
-    """What a qkv projection of one row needs to rotate q and k and write k and v (gemv.RowLinear.rotating):
+    """What a qkv projection of one row needs to rotate q and k and write k and v (linear.RowLinear.rotating):
     cos, sin (1, 1, D) at the row's position; slots (1,); the layer's caches (slots, kv_heads, D);
     the widths of q and of k (and v) in the projection's output, [q | k | v]."""
     cos: torch.Tensor

@@ -1,0 +1,127 @@
+"""The linear products of a few rows on CUDA (2-64: a decode step of a small batch, a short prompt),
+as a Triton kernel whose programs each stream their rows of the weight once for every row of x, in
+half precision, launched with PDL (pdl.py) so that its first tile of W is read while the kernel
+before it runs. Which rows and products take it, and in which tiles, is few_rows_config's choice
+from the tables here; linear.RowLinear routes a product to it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from worker.engines.native import pdl
+from worker.engines.native.gemv import for_device
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU installs have no Triton
+    triton = None
+
+
+FEW_ROWS = (32, 256, 4, 5)
+FEW_ROWS_WIDE = (64, 128, 4, 5)
+"""few_rows' (bn, bk, warps, stages): the fastest at 16 rows for the Llama-1B shapes on an H100, each after
+a norm kernel and launched with PDL (us, cuBLAS's in brackets): qkv 8.1 (8.6), o 7.1 (7.5), down 17.1
+(17.5), lm_head 180 (193); the wide one for gate_up, 27.2 (28.4). At 64 rows cuBLAS was as fast or
+faster (down 18.7 against 19.7), so more rows go to it."""
+FEW_ROWS_NARROW = {"H200": (2048, 8, (16, 256, 4, 5))}
+"""By a part of the device's name: (widest N, most rows, config) for products of at most that many
+outputs and rows. On an H200, the Llama-1B shape's down projection (2,048 x 8,192) and o (2,048 x
+2,048), each over 16 layers' weights in a CUDA graph with PDL, us a layer at 2 / 8 / 16 rows: down
+12.98 / 13.00 / 13.10 against FEW_ROWS' 15.77 / 15.82 / 13.58 (7.82 of bytes), o 5.02 / 5.08 / 5.26
+against 5.44 / 5.48 / 5.46 (1.96): 64 programs of 32 outputs leave half the SMs idle. Through the
+engine (two engines alternated in one process, three rounds) a step took 1.072 / 1.080 / 1.096 ms
+against 1.094 / 1.103 / 1.122 at batch 2 / 4 / 8, but 1.104 against 1.089 at 16, which keeps
+FEW_ROWS. qkv (3,072) and gate_up (16,384) were fastest with their own."""
+
+
+FEW_ROWS_LIMIT = 64
+"""Most rows the few_rows kernel takes at all (its rows are one tile); no table may give it more."""
+FEW_ROWS_MOST = 16
+"""Most rows few_rows takes on any device; more go to cuBLAS where FEW_ROWS_MANY has no entry."""
+GATED_MIN_ROWS = FEW_ROWS_MOST + 1
+"""Fewest rows (past one) whose gate/up projection gives its activation from few_rows' kernel
+(linear.RowLinear.activated); fewer take the product, then the SiLU kernel. On an H200, the Llama-1B
+shape's engines alternated in one process (five rounds, ms a step): batch 32 / 64 1.1110 / 1.1984
+-> 1.0925 / 1.1713, but 16 1.02-1.03 -> 1.13-1.15 in three calls (the down projection through
+few_rows after it; [gate_up, down] alone in a CUDA graph: 33.3 -> 32.3 us a layer). One row's
+(gemv): batch 1 0.7877 -> 0.7793, 0.7904 -> 0.7756 in another call."""
+FEW_ROWS_MANY = {"H200": (2048, ((32, (32, 256, 4, 4), (128, 128, 4, 4)), (64, (32, 128, 4, 4), (64, 64, 4, 4))))}
+"""By a part of the device's name, past FEW_ROWS_MOST rows: (deepest K, ((most rows, config for
+fewer than 8,192 outputs, config for 8,192 to 65,535), ...)); other products go to cuBLAS. On an
+H200 the Llama-1B shape's qkv, o and gate_up, each after a norm kernel in a CUDA graph, were as
+fast as cuBLAS's at 32 and 64 rows (us a layer at 64: 8.09 / 7.69 / 20.68 against 7.86 / 7.38 /
+20.83), the down projection and the LM head slower; through the engine (two engines alternated in
+one process, three rounds) a step took 1.177 / 1.231 / 1.280 ms at batch 32 / 48 / 64 against
+1.205 / 1.271 / 1.305 with them through cuBLAS: PDL overlaps their launches as it does the
+kernels' around them."""
+FEW_ROWS_DEEPEST = {"H200": 8192}
+"""By a part of the device's name: the deepest K few_rows takes; deeper products go to cuBLAS. On an
+H200 that is the Llama-8B shape's down projection (4,096 x 14,336): three engines alternated in one
+process, three rounds, a step took 4.614 / 4.712 ms at batch 8 / 16 with it through cuBLAS against
+4.761 / 4.944 through few_rows, and 4.672 / 4.772 with every product through cuBLAS. The Llama-1B
+shape's (K 8,192) was no faster so (1.070 / 1.082 / 1.095 / 1.085 against 1.069 / 1.075 / 1.094 /
+1.083 at batch 2 / 4 / 8 / 16; every product through cuBLAS 1.114-1.152)."""
+
+
+def few_rows_config(device: torch.device, n: int, k: int, m: int) -> tuple[int, int, int, int] | None:
+    """few_rows' config for m rows of an (n, k) product on this device; None: torch's linear."""
+    if k > (for_device(FEW_ROWS_DEEPEST, device) or k):
+        return None
+    if m > FEW_ROWS_MOST:
+        deepest, steps = for_device(FEW_ROWS_MANY, device) or (0, ())
+        step = next(((narrow, wide) for most, narrow, wide in steps if m <= most), None)
+        return None if step is None or k > deepest or n >= 65536 else step[n >= 8192]
+    narrow = for_device(FEW_ROWS_NARROW, device)
+    if narrow is not None and n <= narrow[0] and m <= narrow[1]:
+        return narrow[2]
+    return FEW_ROWS_WIDE if 8192 <= n < 65536 else FEW_ROWS
+
+
+
+def few_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, bn: int, bk: int, warps: int,
+             stages: int, gated: bool = False) -> torch.Tensor:
+    """x (M, K), M <= FEW_ROWS_LIMIT, @ weight (N, K).T (+ bias), bf16 or fp16, K a multiple of bk: each program
+    streams bn rows of W once for every row of x. gated: as gemv's, (M, N / 2) out."""
+    m = x.shape[0]
+    n, k = weight.shape
+    out = torch.empty(m, n // 2 if gated else n, dtype=x.dtype, device=x.device)
+    early = pdl.supported(x.device)
+    _few_rows_kernel[(triton.cdiv(n, bn),)](
+        x, weight, bias if bias is not None else weight, out, m, n, k, x.stride(0), weight.stride(0),
+        HAS_BIAS=bias is not None, BM=max(16, triton.next_power_of_2(m)), BN=bn, BK=bk, GATED=gated, PDL=early,
+        num_warps=warps, num_stages=stages, launch_pdl=early)
+    return out
+
+
+if triton is not None:
+    from worker.engines.native.gemv import output_rows, silu_of_pairs
+
+    @triton.jit
+    def _few_rows_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_x, stride_w, HAS_BIAS: tl.constexpr,
+                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GATED: tl.constexpr,
+                         PDL: tl.constexpr):
+        cols, valid = output_rows(BN, N, GATED)
+        rows = tl.arange(0, BM)
+        ks = tl.arange(0, BK)
+        w = tl.load(w_ptr + cols[:, None] * stride_w + ks[None, :], mask=valid[:, None], other=0.0,
+                    eviction_policy="evict_first")
+        pdl.wait_for_previous(PDL)
+        x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=(rows < M)[:, None], other=0.0)
+        acc = tl.dot(x, tl.trans(w))
+        for start in range(BK, K, BK):
+            ks = start + tl.arange(0, BK)
+            w = tl.load(w_ptr + cols[:, None] * stride_w + ks[None, :], mask=valid[:, None], other=0.0,
+                        eviction_policy="evict_first")
+            x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=(rows < M)[:, None], other=0.0)
+            acc = tl.dot(x, tl.trans(w), acc)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=valid, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            cols = tl.program_id(0) * (BN // 2) + tl.arange(0, BN // 2)
+            tl.store(out_ptr + rows[:, None] * (N // 2) + cols[None, :], silu_of_pairs(acc, out_ptr.dtype.element_ty),
+                     mask=(rows < M)[:, None] & (cols < N // 2)[None, :])
+        else:
+            tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                     mask=(rows < M)[:, None] & valid[None, :])
