@@ -167,3 +167,93 @@ def test_a_qkv_projection_rotates_and_writes_the_cache_as_the_rope_kernel_does(d
             else:
                 assert torch.equal(got, want) and torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
             assert torch.count_nonzero(caches[0].abs().sum((1, 2))) == 1  # the slot's row and no other
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels run on CUDA")
+def test_few_rows_adds_the_residual_stream_and_the_next_product_takes_its_norm():
+    """A product of a few rows gives the residual stream's next value (RowLinear.adding: the bits of
+    the norm kernel's add), its rows' sums of squares in parts and the sum times the next norm's
+    weight; the next product's kernel takes the norm from them (RowLinear.after_norm), as the norm
+    kernel and the product give it but for rounding; a gate/up projection's activation likewise.
+    One row, more than HANDOFF_MOST_ROWS, or no weight given: None, the norm kernel then adds."""
+    from worker.engines.native.elementwise import Elementwise
+    from worker.engines.native.few_rows import HANDOFF_MOST_ROWS, few_rows_config
+    from worker.engines.native.linear import RowLinear
+
+    torch.manual_seed(0)
+    ops = Elementwise()
+    ops.use_triton()
+    dtype = torch.bfloat16
+    o = RowLinear(torch.nn.Linear(2048, 2048, bias=False, device="cuda", dtype=dtype))
+    for n, bias in ((3072, False), (1001, True), (2 * 8192, False)):  # qkv, an uneven N with a bias, gate/up
+        linear = RowLinear(torch.nn.Linear(2048, n, bias=bias, device="cuda", dtype=dtype))
+        norm = torch.rand(2048, device="cuda", dtype=dtype) + 0.5
+        for rows in (2, 8, 16, 17, 32, 40):
+            x, residual = (torch.randn(rows, 2048, device="cuda", dtype=dtype) for _ in range(2))
+            summed = o.adding(x, residual, norm)
+            if summed is None:  # rows few_rows does not take on this device, or past HANDOFF_MOST_ROWS
+                assert rows > HANDOFF_MOST_ROWS or few_rows_config(x.device, 2048, 2048, rows) is None
+                continue
+            want_total, h = ops.add_rms_norm(o(x), residual, norm, 1e-5)
+            assert torch.equal(summed.total, want_total) and summed.norm is norm
+            assert torch.equal(summed.weighted, (want_total.float() * norm.float()).to(dtype))
+            torch.testing.assert_close(summed.squares.sum(0), (want_total.float() ** 2).sum(1), rtol=1e-5, atol=0)
+            torch.testing.assert_close(linear.after_norm(summed, 1e-5), linear(h), atol=3e-2, rtol=2e-2)
+            if n == 2 * 8192:  # the activation: the kernel's own from GATED_MIN_ROWS, else the SiLU kernel's
+                got = linear.after_norm(summed, 1e-5, ops.silu_and_mul)
+                assert torch.equal(got, ops.silu_and_mul(linear.after_norm(summed, 1e-5)))
+            unweighted = o.adding(x, residual)
+            assert torch.equal(unweighted.total, want_total) and linear.after_norm(unweighted, 1e-5) is None
+    x = torch.randn(HANDOFF_MOST_ROWS + 1, 2048, device="cuda", dtype=dtype)
+    assert o.adding(x[:1], x[:1], norm) is None and o.adding(x, x, norm) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels run on CUDA")
+def test_a_model_of_few_rows_hands_the_residual_stream_from_kernel_to_kernel(tiny_llama, monkeypatch):
+    """A step of a few rows through the model (decodes alone, and a prompt beside them) has its o and
+    down projections add the residual stream and the next projections (qkv, gate/up) take the norm:
+    the logits and cache writes of the norm kernels' path, but for rounding."""
+    from worker.engines.native.batch import Batch
+    from worker.engines.native.linear import RowLinear
+    from worker.engines.native.model import load_model
+
+    model = load_model(tiny_llama, torch.bfloat16, torch.device("cuda"))
+    c, block_size = model.config, 16
+    torch.manual_seed(6)
+    caches = torch.randn(2, c.num_layers, 64 * block_size, c.num_kv_heads, c.head_dim).to("cuda", torch.bfloat16)
+    adding, after_norm, added, normed = RowLinear.adding, RowLinear.after_norm, [], []
+
+    def spy(self, x, residual, next_norm=None):
+        summed = adding(self, x, residual, next_norm)
+        added.append(summed is not None)
+        return summed
+
+    def spy_norm(self, x, eps, silu_and_mul=None):
+        out = after_norm(self, x, eps, silu_and_mul)
+        normed.append(out is not None)
+        return out
+
+    def step(contexts: list[int], queries: list[int]):
+        tables = [[13 * i + j for j in range(13)] for i in range(len(contexts))]
+        positions = [p for n, q in zip(contexts, queries) for p in range(n - q, n)]
+        rows = [i for i, q in enumerate(queries) for _ in range(q)]
+        slots = [tables[i][p // block_size] * block_size + p % block_size for i, p in zip(rows, positions)]
+        ends = torch.tensor(queries).cumsum(0) - 1
+        batch = Batch(torch.tensor([(7 * p + 3) % 500 for p in positions], device="cuda"),
+                      torch.tensor(positions, device="cuda"), torch.tensor(slots, device="cuda"), queries, contexts,
+                      tables, ends.cuda(), block_size)
+        k, v = caches.clone()
+        return model(batch, k, v), k, v
+
+    for contexts, queries in (([30, 17, 90, 5], [1] * 4), ([30, 17, 90, 5, 40], [1, 1, 1, 1, 9])):
+        monkeypatch.setattr(RowLinear, "adding", spy)
+        monkeypatch.setattr(RowLinear, "after_norm", spy_norm)
+        added.clear()
+        normed.clear()
+        got = step(contexts, queries)
+        assert added == [True] * (2 * c.num_layers)
+        assert normed == [True] * (2 * c.num_layers - 1)  # qkv past the first layer, every gate/up
+        monkeypatch.setattr(RowLinear, "adding", lambda self, x, residual, next_norm=None: None)
+        want = step(contexts, queries)
+        assert got[0].shape == (len(contexts), c.vocab_size)
+        torch.testing.assert_close(got, want, atol=5e-2, rtol=2e-2)

@@ -2,7 +2,8 @@
 as a Triton kernel whose programs each stream their rows of the weight once for every row of x, in
 half precision, launched with PDL (pdl.py) so that its first tile of W is read while the kernel
 before it runs. Which rows and products take it, and in which tiles, is few_rows_config's choice
-from the tables here; linear.RowLinear routes a product to it.
+from the tables here; linear.RowLinear routes a product to it. Between layers it can hand the
+residual stream on to the next product without the norm kernel between them (HANDOFF_MOST_ROWS).
 """
 
 from __future__ import annotations
@@ -56,6 +57,18 @@ fast as cuBLAS's at 32 and 64 rows (us a layer at 64: 8.09 / 7.69 / 20.68 agains
 one process, three rounds) a step took 1.177 / 1.231 / 1.280 ms at batch 32 / 48 / 64 against
 1.205 / 1.271 / 1.305 with them through cuBLAS: PDL overlaps their launches as it does the
 kernels' around them."""
+HANDOFF_MOST_ROWS = 32
+"""Most rows whose o and down projections hand the residual stream on through few_rows' kernel,
+for the qkv and gate/up projections after them to take their norm without its kernel (model.plus,
+linear.RowLinear.adding / after_norm): the product's kernel adds the stream, sums each row's squares
+over its columns and writes the sum times the next norm's weight; the next one reads that as its x,
+unchanged, and scales each row of its sums by 1 / rms. A norm applied to x's tiles inside the
+product's loop instead (as gemv's one row takes it) was slower: x then goes through registers, out
+of the loop's pipelined loads (on an H200, the Llama-1B shape's engines alternated in one process,
+ms a step: batch 16 1.026 -> 1.124, 2 1.041 -> 1.155, 64 1.166 -> 1.270). This way (three rounds):
+batch 2 / 8 / 16 / 32 1.0445 / 1.0730 / 1.0281 / 1.0982 -> 1.0240 / 1.0485 / 1.0122 / 1.0905, but
+64 1.1790 -> 1.1880; the LM head taking the final norm so too, 1.0320 / 1.0604 / 1.0200 / 1.0937
+(its 4,008 programs each read the sums of squares)."""
 FEW_ROWS_DEEPEST = {"H200": 8192}
 """By a part of the device's name: the deepest K few_rows takes; deeper products go to cuBLAS. On an
 H200 that is the Llama-8B shape's down projection (4,096 x 14,336): three engines alternated in one
@@ -81,17 +94,33 @@ def few_rows_config(device: torch.device, n: int, k: int, m: int) -> tuple[int, 
 
 
 def few_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, bn: int, bk: int, warps: int,
-             stages: int, gated: bool = False) -> torch.Tensor:
+             stages: int, gated: bool = False, residual: torch.Tensor | None = None,
+             next_norm: torch.Tensor | None = None, normed: tuple[torch.Tensor, float] | None = None):
     """x (M, K), M <= FEW_ROWS_LIMIT, @ weight (N, K).T (+ bias), bf16 or fp16, K a multiple of bk: each program
-    streams bn rows of W once for every row of x. gated: as gemv's, (M, N / 2) out."""
+    streams bn rows of W once for every row of x. gated: as gemv's, (M, N / 2) out.
+    residual (M, N): returns (total, squares, weighted): total = the product + residual, rounded as
+    the norm kernel's add rounds it; squares (programs, M) fp32, each program's sum of its columns of
+    total squared; weighted = total * next_norm (N,), rounded (None without next_norm).
+    normed (squares, eps): x is such a `weighted` and squares its total's; the product is then
+    rms_norm(total) * next_norm's, each row's 1 / rms applied to its sums (HANDOFF_MOST_ROWS says why)."""
     m = x.shape[0]
     n, k = weight.shape
     out = torch.empty(m, n // 2 if gated else n, dtype=x.dtype, device=x.device)
+    assert not (gated and residual is not None) and (residual is None or residual.stride() == (n, 1))
+    programs = triton.cdiv(n, bn)
+    squares = torch.empty(programs, m, dtype=torch.float32, device=x.device) if residual is not None else out
+    weighted = torch.empty_like(out) if next_norm is not None else out
+    norm_squares, eps = normed or (out, 0.0)
     early = pdl.supported(x.device)
-    _few_rows_kernel[(triton.cdiv(n, bn),)](
+    _few_rows_kernel[(programs,)](
         x, weight, bias if bias is not None else weight, out, m, n, k, x.stride(0), weight.stride(0),
-        HAS_BIAS=bias is not None, BM=max(16, triton.next_power_of_2(m)), BN=bn, BK=bk, GATED=gated, PDL=early,
+        residual if residual is not None else x, squares, next_norm if next_norm is not None else x, weighted,
+        norm_squares, eps, norm_squares.shape[0], HAS_BIAS=bias is not None, BM=max(16, triton.next_power_of_2(m)),
+        BN=bn, BK=bk, GATED=gated, ADD=residual is not None, WEIGHTED=next_norm is not None, NORM=normed is not None,
+        PARTS=triton.next_power_of_2(norm_squares.shape[0]) if normed is not None else 1, PDL=early,
         num_warps=warps, num_stages=stages, launch_pdl=early)
+    if residual is not None:
+        return out, squares, weighted if next_norm is not None else None
     return out
 
 
@@ -99,8 +128,10 @@ if triton is not None:
     from worker.engines.native.gemv import output_rows, silu_of_pairs
 
     @triton.jit
-    def _few_rows_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_x, stride_w, HAS_BIAS: tl.constexpr,
+    def _few_rows_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_x, stride_w, residual_ptr, squares_ptr,
+                         next_norm_ptr, weighted_ptr, norm_squares_ptr, eps, parts, HAS_BIAS: tl.constexpr,
                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GATED: tl.constexpr,
+                         ADD: tl.constexpr, WEIGHTED: tl.constexpr, NORM: tl.constexpr, PARTS: tl.constexpr,
                          PDL: tl.constexpr):
         cols, valid = output_rows(BN, N, GATED)
         rows = tl.arange(0, BM)
@@ -116,12 +147,28 @@ if triton is not None:
                         eviction_policy="evict_first")
             x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=(rows < M)[:, None], other=0.0)
             acc = tl.dot(x, tl.trans(w), acc)
+        if NORM:  # each row's 1 / rms from the parts of its sum of squares, added in their order
+            part = tl.arange(0, PARTS)
+            sums = tl.load(norm_squares_ptr + part[:, None] * M + rows[None, :],
+                           mask=(part < parts)[:, None] & (rows < M)[None, :], other=0.0)
+            acc = acc * tl.rsqrt(tl.sum(sums, 0) / K + eps)[:, None]
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=valid, other=0.0).to(tl.float32)[None, :]
+        mask = (rows < M)[:, None] & valid[None, :]
         if GATED:
             cols = tl.program_id(0) * (BN // 2) + tl.arange(0, BN // 2)
             tl.store(out_ptr + rows[:, None] * (N // 2) + cols[None, :], silu_of_pairs(acc, out_ptr.dtype.element_ty),
                      mask=(rows < M)[:, None] & (cols < N // 2)[None, :])
+        elif ADD:  # as _norm_kernel adds: the product rounded, plus the residual, rounded
+            total = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+            total += tl.load(residual_ptr + rows[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            total = total.to(out_ptr.dtype.element_ty)
+            tl.store(out_ptr + rows[:, None] * N + cols[None, :], total, mask=mask)
+            total = tl.where(mask, total.to(tl.float32), 0.0)
+            tl.store(squares_ptr + tl.program_id(0) * M + rows, tl.sum(total * total, 1), mask=rows < M)
+            if WEIGHTED:
+                weights = tl.load(next_norm_ptr + cols, mask=valid, other=0.0).to(tl.float32)
+                tl.store(weighted_ptr + rows[:, None] * N + cols[None, :],
+                         (total * weights[None, :]).to(out_ptr.dtype.element_ty), mask=mask)
         else:
-            tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-                     mask=(rows < M)[:, None] & valid[None, :])
+            tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)

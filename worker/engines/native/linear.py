@@ -12,11 +12,13 @@ once, at load, for the kernel that reads them:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from worker.engines.native import kernels, pdl
-from worker.engines.native.few_rows import FEW_ROWS_LIMIT, GATED_MIN_ROWS, few_rows, few_rows_config
+from worker.engines.native.few_rows import FEW_ROWS_LIMIT, GATED_MIN_ROWS, HANDOFF_MOST_ROWS, few_rows, few_rows_config
 from worker.engines.native.gemv import NORMED_MAX, gemv, gemv_after_norm, rope_inside, triton
 from worker.engines.native.rotary import Rope
 
@@ -108,6 +110,18 @@ class QuantLinear(nn.Module):
         return linear.in_features % GROUP == 0
 
 
+@dataclass(frozen=True)
+class Sum:
+    """The residual stream's next value as a product's kernel gave it (RowLinear.adding): total
+    (rows, width), the product plus the stream; squares (programs, rows) fp32, the parts of each
+    row's sum of squares; weighted, total times the next norm's weight (`norm`), rounded, or None:
+    what the next projection's kernel reads to take that norm (RowLinear.after_norm)."""
+    total: torch.Tensor
+    squares: torch.Tensor
+    weighted: torch.Tensor | None
+    norm: torch.Tensor | None
+
+
 class RowLinear(nn.Module):
     """`linear` on CUDA: one row through gemv's kernel, a few rows in half precision (with PDL)
     through few_rows', others through torch's."""
@@ -150,18 +164,45 @@ class RowLinear(nn.Module):
         return (triton is not None and x.shape[0] == 1 and x.is_cuda and x.stride(-1) == 1 and head_dim % 16 == 0
                 and rope_inside(x.device, self.linear.weight.shape[1]))
 
+    def adding(self, x: torch.Tensor, residual: torch.Tensor, next_norm: torch.Tensor | None = None) -> Sum | None:
+        """linear(x) + residual from few_rows' kernel, with the parts of each row's sum of squares and,
+        given the weight of the norm after it, the sum times that weight; None where few_rows does
+        not take x or it has more than HANDOFF_MOST_ROWS rows (the norm after it then adds, in its
+        own kernel)."""
+        config = self._few_rows_config(x, gated=False)
+        if config is None or x.shape[0] > HANDOFF_MOST_ROWS or residual.stride() != (self.linear.weight.shape[0], 1):
+            return None
+        return Sum(*few_rows(x, self.linear.weight, self.linear.bias, *config, residual=residual, next_norm=next_norm),
+                   next_norm)
+
+    def after_norm(self, x: Sum, eps: float, silu_and_mul=None) -> torch.Tensor | None:
+        """linear(rms_norm(x.total) * x.norm) in few_rows' kernel, from x.weighted and the sums of
+        squares, no norm kernel before it (few_rows.HANDOFF_MOST_ROWS; rounded otherwise than that path);
+        with silu_and_mul, the activation of a gate/up projection as activated() gives it. None
+        where few_rows does not take x, or x has no weighted rows."""
+        gated = silu_and_mul is not None and x.total.shape[0] >= GATED_MIN_ROWS
+        config = self._few_rows_config(x.total, gated)
+        if config is None or x.weighted is None:
+            return None
+        out = few_rows(x.weighted, self.linear.weight, self.linear.bias, *config, gated=gated, normed=(x.squares, eps))
+        return silu_and_mul(out) if silu_and_mul is not None and not gated else out
+
     def _through_kernel(self, x: torch.Tensor, gated: bool) -> torch.Tensor | None:
         """x's product (gated: its activation, as activated() gives it) through gemv or few_rows, or
         None where torch's linear (and the SiLU kernel) serve it better."""
         if not x.is_cuda or x.stride(-1) != 1:  # the kernels read x's rows as contiguous
             return None
-        weight, bias = self.linear.weight, self.linear.bias
         if x.shape[0] == 1:
-            return gemv(x, weight, bias, gated)
-        if (x.shape[0] <= FEW_ROWS_LIMIT and x.dtype in (torch.bfloat16, torch.float16)
-                and weight.shape[1] % 256 == 0 and pdl.supported(x.device)):  # a prompt's rows skip the lookups
-            if gated and x.shape[0] < GATED_MIN_ROWS:
-                return None
-            config = few_rows_config(x.device, *weight.shape, x.shape[0])
-            return few_rows(x, weight, bias, *config, gated=gated) if config is not None else None
-        return None
+            return gemv(x, self.linear.weight, self.linear.bias, gated)
+        config = self._few_rows_config(x, gated)
+        return few_rows(x, self.linear.weight, self.linear.bias, *config, gated=gated) if config is not None else None
+
+    def _few_rows_config(self, x: torch.Tensor, gated: bool) -> tuple[int, int, int, int] | None:
+        """few_rows' config for x's product, or None where few_rows does not take it (gated: rows it
+        gives the activation of)."""
+        weight = self.linear.weight
+        if (not x.is_cuda or x.stride(-1) != 1 or not 1 < x.shape[0] <= FEW_ROWS_LIMIT
+                or x.dtype not in (torch.bfloat16, torch.float16) or weight.shape[1] % 256
+                or (gated and x.shape[0] < GATED_MIN_ROWS) or not pdl.supported(x.device)):
+            return None
+        return few_rows_config(x.device, *weight.shape, x.shape[0])

@@ -21,7 +21,7 @@ from worker.engines.native.attention import decode_attention, prefill_attention,
 from worker.engines.native.batch import Batch
 from worker.engines.native.elementwise import Elementwise
 from worker.engines.native.gemv import triton
-from worker.engines.native.linear import PackedLinear, QuantLinear, RowLinear
+from worker.engines.native.linear import PackedLinear, QuantLinear, RowLinear, Sum
 from worker.engines.native.rotary import Rope, rope_and_store
 
 SUPPORTED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
@@ -98,13 +98,20 @@ class RMSNorm(nn.Module):
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
-    def then(self, linear: nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
+    def then(self, linear: nn.Module, x: torch.Tensor | Sum, residual: torch.Tensor | None,
              rope: Rope | None = None, gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + residual, linear(its norm)): the residual stream and the next sublayer's projection
-        (residual None: x itself). One row on CUDA takes one kernel (RowLinear.after_add_rms_norm).
-        rope (Attention.rope_inside): the projection's kernel rotates and writes the cache too;
-        gated: a gate/up projection, silu(gate) * up in its place (inside its kernel on CUDA)."""
-        if residual is not None and isinstance(linear, RowLinear):
+        (residual None: x itself, or a Sum, the stream as the kernel before gave it). One row on CUDA
+        takes one kernel (RowLinear.after_add_rms_norm); so does a Sum where few_rows takes its rows
+        (RowLinear.after_norm). rope (Attention.rope_inside): the projection's kernel rotates and writes
+        the cache too; gated: a gate/up projection, silu(gate) * up in its place (inside its kernel on CUDA)."""
+        if isinstance(x, Sum):
+            fused = (linear.after_norm(x, self.eps, self.ops.silu_and_mul if gated else None)
+                     if x.norm is self.weight else None)
+            if fused is not None:
+                return x.total, fused
+            x = x.total
+        elif residual is not None and isinstance(linear, RowLinear):
             fused = linear.after_add_rms_norm(x, residual, self.weight, self.eps, rope, gated)
             if fused is not None:
                 return fused
@@ -115,6 +122,18 @@ class RMSNorm(nn.Module):
             return residual, (linear.activated(h, self.ops.silu_and_mul) if isinstance(linear, RowLinear)
                               else self.ops.silu_and_mul(linear(h)))
         return residual, linear(h)
+
+
+def plus(linear: nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
+         next_norm: RMSNorm | None) -> tuple[torch.Tensor | Sum, torch.Tensor | None]:
+    """(linear(x) + residual as a Sum, None) where the product's kernel adds the residual stream
+    (RowLinear.adding, at 2-64 rows on CUDA), with what lets the projection after `next_norm` take
+    it without that norm's kernel; else (linear(x), residual), for the norm after it to add."""
+    if residual is not None and isinstance(linear, RowLinear):
+        summed = linear.adding(x, residual, next_norm.weight if next_norm is not None else None)
+        if summed is not None:
+            return summed, None
+    return linear(x), residual
 
 
 class Attention(nn.Module):
@@ -138,9 +157,11 @@ class Attention(nn.Module):
         return Rope(cos, sin, batch.slots, k_cache, v_cache, self.sizes[0], self.sizes[1])
 
     def forward(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: Batch,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, rotated: bool = False) -> torch.Tensor:
+                k_cache: torch.Tensor, v_cache: torch.Tensor, residual: torch.Tensor, next_norm: RMSNorm,
+                rotated: bool = False) -> tuple[torch.Tensor | Sum, torch.Tensor | None]:
         """The layer's attention output from its qkv projection (DecoderLayer runs qkv_proj with the
-        norm); rotated: q and k were rotated and k and v written by it (rope_inside)."""
+        norm), as plus() gives it with the residual stream and `next_norm`; rotated: q and k were
+        rotated and k and v written by it (rope_inside)."""
         tokens = qkv.shape[0]
         q, k, v = qkv.split(self.sizes, dim=-1)
         q = q.reshape(tokens, self.num_heads, self.head_dim)
@@ -148,7 +169,7 @@ class Attention(nn.Module):
         if batch.distinct:  # each row its own sequence's token (CUDA graphs): rotated and written inside attention
             out = rope_store_and_decode(q, k, v, cos, sin, k_cache, v_cache, batch.slots, batch.decode_tables,
                                         batch.decode_lens, batch.block_size)
-            return self.o_proj(out.reshape(tokens, -1))
+            return plus(self.o_proj, out.reshape(tokens, -1), residual, next_norm)
         if not rotated:  # (else a decode, its rotation and cache write done by rope_inside's kernel)
             # k_cache, v_cache: (num_blocks * block_size, kv_heads, head_dim), written slot by slot.
             q, k = rope_and_store(q, k, v, cos, sin, k_cache, v_cache, batch.slots, self.ops.rotate)
@@ -161,7 +182,7 @@ class Attention(nn.Module):
             if batch.decode_tables is not None:
                 out[batch.decode_index] = decode_attention(q[batch.decode_index], k_cache, v_cache, batch.decode_tables,
                                                            batch.decode_lens, batch.block_size, batch.decode_gather)
-        return self.o_proj(out.reshape(tokens, -1))
+        return plus(self.o_proj, out.reshape(tokens, -1), residual, next_norm)
 
 
 class DecoderLayer(nn.Module):
@@ -172,14 +193,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
-    def forward(self, x, residual, cos, sin, batch, k_cache, v_cache):
+    def forward(self, x, residual, cos, sin, batch, k_cache, v_cache, next_norm: RMSNorm | None = None):
         """(this layer's MLP output, the residual stream before it): the next layer's norm adds them
-        in the same kernel (the first layer's gets residual None)."""
-        rope = self.self_attn.rope_inside(x, cos, sin, batch, k_cache, v_cache)
+        in the same kernel (the first layer's gets residual None); or (their sum, None) where the
+        down projection's kernel adds them (plus(), with `next_norm`, the next layer's first norm)."""
+        rope = self.self_attn.rope_inside(x.total if isinstance(x, Sum) else x, cos, sin, batch, k_cache, v_cache)
         residual, qkv = self.input_layernorm.then(self.self_attn.qkv_proj, x, residual, rope)
-        attended = self.self_attn(qkv, cos, sin, batch, k_cache, v_cache, rotated=rope is not None)
+        attended, residual = self.self_attn(qkv, cos, sin, batch, k_cache, v_cache, residual,
+                                            self.post_attention_layernorm, rotated=rope is not None)
         residual, activation = self.post_attention_layernorm.then(self.mlp.gate_up_proj, attended, residual, gated=True)
-        return self.mlp.down_proj(activation), residual
+        return plus(self.mlp.down_proj, activation, residual, next_norm)
 
 
 class MLP(nn.Module):
@@ -221,11 +244,16 @@ class LlamaModel(nn.Module):
         else:
             residual = None
             for index, layer in enumerate(self.layers):
-                x, residual = layer(x, residual, cos, sin, batch, k_caches[index], v_caches[index])
+                after = self.layers[index + 1].input_layernorm if index + 1 < len(self.layers) else None
+                x, residual = layer(x, residual, cos, sin, batch, k_caches[index], v_caches[index], after)
+        if isinstance(x, Sum):  # the last down projection's kernel added the stream
+            x, residual = x.total, None
         if len(batch.last_token_index) < len(batch.input_ids):  # else every token is a decode, its sequence's last
-            x, residual = x[batch.last_token_index], residual[batch.last_token_index]
-        # Not the norm inside the LM head's kernel: its 16k programs would each read the whole row.
-        return self.lm_head(self.norm.add(x, residual)[1])
+            x = x[batch.last_token_index]
+            residual = residual[batch.last_token_index] if residual is not None else None
+        # The norm's own kernel: inside one row's LM head kernel its 16k programs would each read the
+        # whole row; inside few_rows' (few_rows.HANDOFF_MOST_ROWS) it was the slower.
+        return self.lm_head(self.norm(x) if residual is None else self.norm.add(x, residual)[1])
 
     def cache_rotations(self, positions: int) -> None:
         """cos and sin of every position below `positions`, (2, positions, D) in the model's dtype, as HF
