@@ -169,8 +169,10 @@ class RowLinear(nn.Module):
         given the weight of the norm after it, the sum times that weight; None where few_rows does
         not take x or it has more than HANDOFF_MOST_ROWS rows (the norm after it then adds, in its
         own kernel)."""
+        if x.shape[0] > HANDOFF_MOST_ROWS or residual.stride() != (self.linear.weight.shape[0], 1):
+            return None
         config = self._few_rows_config(x, gated=False)
-        if config is None or x.shape[0] > HANDOFF_MOST_ROWS or residual.stride() != (self.linear.weight.shape[0], 1):
+        if config is None:
             return None
         return Sum(*few_rows(x, self.linear.weight, self.linear.bias, *config, residual=residual, next_norm=next_norm),
                    next_norm)

@@ -127,8 +127,9 @@ class RMSNorm(nn.Module):
 def plus(linear: nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
          next_norm: RMSNorm | None) -> tuple[torch.Tensor | Sum, torch.Tensor | None]:
     """(linear(x) + residual as a Sum, None) where the product's kernel adds the residual stream
-    (RowLinear.adding, at 2-64 rows on CUDA), with what lets the projection after `next_norm` take
-    it without that norm's kernel; else (linear(x), residual), for the norm after it to add."""
+    (RowLinear.adding, at 2-32 rows on CUDA: few_rows.HANDOFF_MOST_ROWS), with what lets the
+    projection after `next_norm` take it without that norm's kernel; else (linear(x), residual),
+    for the norm after it to add."""
     if residual is not None and isinstance(linear, RowLinear):
         summed = linear.adding(x, residual, next_norm.weight if next_norm is not None else None)
         if summed is not None:
@@ -197,7 +198,8 @@ class DecoderLayer(nn.Module):
         """(this layer's MLP output, the residual stream before it): the next layer's norm adds them
         in the same kernel (the first layer's gets residual None); or (their sum, None) where the
         down projection's kernel adds them (plus(), with `next_norm`, the next layer's first norm)."""
-        rope = self.self_attn.rope_inside(x.total if isinstance(x, Sum) else x, cos, sin, batch, k_cache, v_cache)
+        # (a Sum has several rows: never one-row rope inside the qkv projection)
+        rope = None if isinstance(x, Sum) else self.self_attn.rope_inside(x, cos, sin, batch, k_cache, v_cache)
         residual, qkv = self.input_layernorm.then(self.self_attn.qkv_proj, x, residual, rope)
         attended, residual = self.self_attn(qkv, cos, sin, batch, k_cache, v_cache, residual,
                                             self.post_attention_layernorm, rotated=rope is not None)
