@@ -84,11 +84,13 @@ def product(n: int, k: int, rows: int, gated: bool, ops: Elementwise) -> dict:
     x = torch.randn(rows, k, device=DEVICE, dtype=torch.bfloat16)
     calls = [(lambda lin=lin: lin.activated(x, ops.silu_and_mul)) if gated else (lambda lin=lin: lin(x))
              for lin in linears]
-    few = linears[0]._few_rows_config(x, gated and rows >= GATED_MIN_ROWS) is not None
+    epilogue = gated and rows >= GATED_MIN_ROWS  # where few_rows gives the activation itself
+    few = linears[0]._few_rows_config(x, epilogue) is not None
     kernel = ("gemv" if rows == 1 else "few_rows" if few else "cublas") if DEVICE == "cuda" else "torch"
+    silu = gated and kernel != "gemv" and not (few and epilogue)  # else the SiLU kernel after the product
     out = n // 2 if gated else n
     return {"us": timed(calls), "bytes": 2 * (n * k + rows * k + rows * out), "flops": 2 * rows * n * k,
-            "kernel": kernel + (" + silu" if gated and kernel != "gemv" and not (few and rows >= GATED_MIN_ROWS) else "")}
+            "kernel": kernel + (" + silu" if silu else "")}
 
 
 def attention(shape: dict, batch: int, context: int) -> dict:
@@ -107,7 +109,7 @@ def attention(shape: dict, batch: int, context: int) -> dict:
     new = torch.randn(batch, 2, kv_heads, dim, device=DEVICE, dtype=torch.bfloat16)
     angles = torch.rand(batch, 1, dim, device=DEVICE)
     cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
-    at = (tables[:, -1].long() * BLOCK + (context - 1) % BLOCK)
+    at = tables[:, -1].long() * BLOCK + (context - 1) % BLOCK  # each row's new token's slot
     inside = DEVICE == "cuda" and rotates_inside(batch, kv_heads, dim)
     if inside:
         calls = [lambda i=i: rope_store_and_decode(q, new[:, 0], new[:, 1], cos, sin, k_cache[i], v_cache[i], at,
