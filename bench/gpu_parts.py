@@ -37,7 +37,6 @@ from bench.native_gpu import DEVICE, RESULTS, SHAPES  # noqa: E402
 from bench.structured import machine  # noqa: E402
 from worker.engines.native.attention import decode_attention, rope_store_and_decode  # noqa: E402
 from worker.engines.native.elementwise import Elementwise  # noqa: E402
-from worker.engines.native.few_rows import GATED_MIN_ROWS  # noqa: E402
 from worker.engines.native.linear import RowLinear  # noqa: E402
 
 COPIES_BYTES = 200 << 20
@@ -84,7 +83,7 @@ def product(n: int, k: int, rows: int, gated: bool, ops: Elementwise) -> dict:
     x = torch.randn(rows, k, device=DEVICE, dtype=torch.bfloat16)
     calls = [(lambda lin=lin: lin.activated(x, ops.silu_and_mul)) if gated else (lambda lin=lin: lin(x))
              for lin in linears]
-    epilogue = gated and rows >= GATED_MIN_ROWS  # where few_rows gives the activation itself
+    epilogue = gated and x.is_cuda and linears[0].gives_activation(x.device, rows)  # few_rows gives the activation
     few = linears[0]._few_rows_config(x, epilogue) is not None
     kernel = ("gemv" if rows == 1 else "few_rows" if few else "cublas") if DEVICE == "cuda" else "torch"
     silu = gated and kernel != "gemv" and not (few and epilogue)  # else the SiLU kernel after the product

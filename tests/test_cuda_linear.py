@@ -26,9 +26,11 @@ def test_one_row_linear_matches_torch(dtype):
 def test_the_one_row_kernel_takes_its_devices_config_for_the_widths_measured(monkeypatch):
     """gemv.ROW_CONFIGS by a part of the device's name, the first entry whose K range takes the
     product's K; other devices and other widths take the kernel's own config (None). few_rows'
-    narrow products likewise (few_rows.FEW_ROWS_NARROW), and the rotary embedding inside the one-row
-    kernel (gemv.ROPE_INSIDE). Runs on the CPU."""
+    narrow products likewise (few_rows.FEW_ROWS_NARROW), the rotary embedding inside the one-row
+    kernel (gemv.ROPE_INSIDE), and which gate/up projections give their activation from few_rows'.
+    Runs on the CPU."""
     from worker.engines.native import few_rows, gemv
+    from worker.engines.native.linear import RowLinear
 
     h200, h100, a100 = torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cuda", 2)
     names = {h200: "NVIDIA H200", h100: "NVIDIA H100 80GB HBM3", a100: "NVIDIA A100-SXM4-80GB"}
@@ -67,6 +69,12 @@ def test_the_one_row_kernel_takes_its_devices_config_for_the_widths_measured(mon
     assert few_rows.few_rows_config(h200, 4096, deepest + 256, 2) is None
     assert (few_rows.few_rows_config(h200, 2048, deepest, 16) == few_rows.few_rows_config(h100, 4096, deepest + 256, 2)
             == few_rows.FEW_ROWS)
+    # the activation from few_rows' kernel where the down projection after it goes to cuBLAS
+    llama_1b, smollm2 = (RowLinear(torch.nn.Linear(k, 2 * n, bias=False, device="meta"))
+                         for k, n in ((2048, 8192), (576, 1536)))
+    assert all(llama_1b.gives_activation(h200, rows) for rows in (2, 16, 17, 64))
+    assert not any(smollm2.gives_activation(h200, rows) for rows in (2, 16, 17, 64))
+    assert not llama_1b.gives_activation(h100, 16) and llama_1b.gives_activation(h100, 17)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels run on CUDA")
@@ -92,7 +100,7 @@ def test_the_gate_up_projection_gives_its_activation_to_the_bit(dtype):
         assert activation.shape == (1, n // 2)
         assert torch.equal(activation, ops.silu_and_mul(gemv_after_norm(x, residual, norm, 1e-5, gate_up.linear.weight,
                                                                         None)[1]))
-        for rows in (2, 16, 17, 40, 65):  # from GATED_MIN_ROWS few_rows (half precision, on an H200), then torch
+        for rows in (2, 16, 17, 40, 65):  # few_rows where it gives the activation (on an H200), then torch
             many = torch.randn(rows, k, device="cuda", dtype=dtype)
             assert torch.equal(gate_up.activated(many, ops.silu_and_mul), ops.silu_and_mul(gate_up(many)))
     if dtype == torch.bfloat16:  # few_rows' own shapes: uneven N, a bias, every row count up to its tile
@@ -199,7 +207,7 @@ def test_few_rows_adds_the_residual_stream_and_the_next_product_takes_its_norm()
             assert torch.equal(summed.weighted, (want_total.float() * norm.float()).to(dtype))
             torch.testing.assert_close(summed.squares.sum(0), (want_total.float() ** 2).sum(1), rtol=1e-5, atol=0)
             torch.testing.assert_close(linear.after_norm(summed, 1e-5), linear(h), atol=3e-2, rtol=2e-2)
-            if n == 2 * 8192:  # the activation: the kernel's own from GATED_MIN_ROWS, else the SiLU kernel's
+            if n == 2 * 8192:  # the activation: the kernel's own where it gives it, else the SiLU kernel's
                 got = linear.after_norm(summed, 1e-5, ops.silu_and_mul)
                 assert torch.equal(got, ops.silu_and_mul(linear.after_norm(summed, 1e-5)))
             unweighted = o.adding(x, residual)

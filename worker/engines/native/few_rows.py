@@ -41,13 +41,6 @@ FEW_ROWS_LIMIT = 64
 """Most rows the few_rows kernel takes at all (its rows are one tile); no table may give it more."""
 FEW_ROWS_MOST = 16
 """Most rows few_rows takes on any device; more go to cuBLAS where FEW_ROWS_MANY has no entry."""
-GATED_MIN_ROWS = FEW_ROWS_MOST + 1
-"""Fewest rows (past one) whose gate/up projection gives its activation from few_rows' kernel
-(linear.RowLinear.activated); fewer take the product, then the SiLU kernel. On an H200, the Llama-1B
-shape's engines alternated in one process (five rounds, ms a step): batch 32 / 64 1.1110 / 1.1984
--> 1.0925 / 1.1713, but 16 1.02-1.03 -> 1.13-1.15 in three calls (the down projection through
-few_rows after it; [gate_up, down] alone in a CUDA graph: 33.3 -> 32.3 us a layer). One row's
-(gemv): batch 1 0.7877 -> 0.7793, 0.7904 -> 0.7756 in another call."""
 FEW_ROWS_MANY = {"H200": (2048, ((32, (32, 256, 4, 4), (128, 128, 4, 4)), (64, (32, 128, 4, 4), (64, 64, 4, 4))))}
 """By a part of the device's name, past FEW_ROWS_MOST rows: (deepest K, ((most rows, config for
 fewer than 8,192 outputs, config for 8,192 to 65,535), ...)); other products go to cuBLAS. On an
@@ -69,13 +62,17 @@ ms a step: batch 16 1.026 -> 1.124, 2 1.041 -> 1.155, 64 1.166 -> 1.270). This w
 batch 2 / 8 / 16 / 32 1.0445 / 1.0730 / 1.0281 / 1.0982 -> 1.0240 / 1.0485 / 1.0122 / 1.0905, but
 64 1.1790 -> 1.1880; the LM head taking the final norm so too, 1.0320 / 1.0604 / 1.0200 / 1.0937
 (its 4,008 programs each read the sums of squares)."""
-FEW_ROWS_DEEPEST = {"H200": 8192}
+FEW_ROWS_DEEPEST = {"H200": 4096}
 """By a part of the device's name: the deepest K few_rows takes; deeper products go to cuBLAS. On an
-H200 that is the Llama-8B shape's down projection (4,096 x 14,336): three engines alternated in one
-process, three rounds, a step took 4.614 / 4.712 ms at batch 8 / 16 with it through cuBLAS against
-4.761 / 4.944 through few_rows, and 4.672 / 4.772 with every product through cuBLAS. The Llama-1B
-shape's (K 8,192) was no faster so (1.070 / 1.082 / 1.095 / 1.085 against 1.069 / 1.075 / 1.094 /
-1.083 at batch 2 / 4 / 8 / 16; every product through cuBLAS 1.114-1.152)."""
+H200 those are the Llama-8B and 1B shapes' down projections (4,096 x 14,336, 2,048 x 8,192). 8B:
+three engines alternated in one process, three rounds, a step took 4.614 / 4.712 ms at batch 8 / 16
+with it through cuBLAS against 4.761 / 4.944 through few_rows, and 4.672 / 4.772 with every product
+through cuBLAS. 1B: no faster so alone (1.070 / 1.082 / 1.095 / 1.085 against 1.069 / 1.075 /
+1.094 / 1.083 at batch 2 / 4 / 8 / 16), but it lets the gate/up projection before it give its
+activation (linear.RowLinear.gives_activation): 1.0458 / 1.0109 -> 1.0333 / 0.9908 at batch 8 /
+16, and in another call 1.0264 / 1.0340 / 1.0170 -> 1.0205 / 1.0239 / 0.9966 at 2 / 4 / 16 (three
+rounds). The 8B shape at batch 16, whose down projection went to cuBLAS already, took 4.664 /
+4.665 ms before and 4.761 / 4.606 after (two rounds): no clear change."""
 
 
 def few_rows_config(device: torch.device, n: int, k: int, m: int) -> tuple[int, int, int, int] | None:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from worker.engines.native import kernels, pdl
-from worker.engines.native.few_rows import FEW_ROWS_LIMIT, GATED_MIN_ROWS, HANDOFF_MOST_ROWS, few_rows, few_rows_config
+from worker.engines.native.few_rows import FEW_ROWS_LIMIT, HANDOFF_MOST_ROWS, few_rows, few_rows_config
 from worker.engines.native.gemv import NORMED_MAX, gemv, gemv_after_norm, rope_inside, triton
 from worker.engines.native.rotary import Rope
 
@@ -182,7 +182,7 @@ class RowLinear(nn.Module):
         squares, no norm kernel before it (few_rows.HANDOFF_MOST_ROWS; rounded otherwise than that path);
         with silu_and_mul, the activation of a gate/up projection as activated() gives it. None
         where few_rows does not take x, or x has no weighted rows."""
-        gated = silu_and_mul is not None and x.total.shape[0] >= GATED_MIN_ROWS
+        gated = silu_and_mul is not None and self.gives_activation(x.total.device, x.total.shape[0])
         config = self._few_rows_config(x.total, gated)
         if config is None or x.weighted is None:
             return None
@@ -205,6 +205,18 @@ class RowLinear(nn.Module):
         weight = self.linear.weight
         if (not x.is_cuda or x.stride(-1) != 1 or not 1 < x.shape[0] <= FEW_ROWS_LIMIT
                 or x.dtype not in (torch.bfloat16, torch.float16) or weight.shape[1] % 256
-                or (gated and x.shape[0] < GATED_MIN_ROWS) or not pdl.supported(x.device)):
+                or (gated and not self.gives_activation(x.device, x.shape[0])) or not pdl.supported(x.device)):
             return None
         return few_rows_config(x.device, *weight.shape, x.shape[0])
+
+    def gives_activation(self, device: torch.device, rows: int) -> bool:
+        """Whether few_rows' kernel, where it takes `rows` rows, gives this gate/up projection's
+        activation ([gate | up] weights, (N, K)): not where the down projection after it, (K, N / 2),
+        runs in few_rows' kernel too; there the product, then the SiLU kernel. On an H200, the Llama-1B
+        shape's engines alternated in one process (ms a step): at batch 32 / 64, the down projection
+        through cuBLAS, 1.1110 / 1.1984 -> 1.0925 / 1.1713 (five rounds); at batch 4 / 8 / 16, the
+        down projection through few_rows, 1.0282 / 1.0453 / 1.0164 -> 1.1300 / 1.1462 / 1.1297
+        (three rounds; 1.13-1.15 at 16 in three calls before), though [gate_up, down] alone in a
+        CUDA graph took 32.3 us a layer against 33.3."""
+        n, k = self.linear.weight.shape[1], self.linear.weight.shape[0] // 2  # the down projection's
+        return k % 256 != 0 or few_rows_config(device, n, k, rows) is None  # as _few_rows_config takes it
