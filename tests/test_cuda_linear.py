@@ -70,9 +70,10 @@ def test_the_one_row_kernel_takes_its_devices_config_for_the_widths_measured(mon
     assert (few_rows.few_rows_config(h200, 2048, deepest, 16) == few_rows.few_rows_config(h100, 4096, deepest + 256, 2)
             == few_rows.FEW_ROWS)
     # the activation from few_rows' kernel where the down projection after it goes to cuBLAS
-    llama_1b, smollm2 = (RowLinear(torch.nn.Linear(k, 2 * n, bias=False, device="meta"))
-                         for k, n in ((2048, 8192), (576, 1536)))
+    llama_1b, smollm2, uneven = (RowLinear(torch.nn.Linear(k, 2 * n, bias=False, device="meta"))
+                                 for k, n in ((2048, 8192), (576, 1536), (576, 1000)))
     assert all(llama_1b.gives_activation(h200, rows) for rows in (2, 16, 17, 64))
+    assert uneven.gives_activation(h200, 2)  # a down projection of K 1,000 no few_rows kernel takes
     assert not any(smollm2.gives_activation(h200, rows) for rows in (2, 16, 17, 64))
     assert not llama_1b.gives_activation(h100, 16) and llama_1b.gives_activation(h100, 17)
 
