@@ -84,7 +84,7 @@ def product(n: int, k: int, rows: int, gated: bool, ops: Elementwise) -> dict:
     calls = [(lambda lin=lin: lin.activated(x, ops.silu_and_mul)) if gated else (lambda lin=lin: lin(x))
              for lin in linears]
     epilogue = gated and x.is_cuda and linears[0].gives_activation(x.device, rows)  # few_rows gives the activation
-    few = linears[0]._few_rows_config(x, epilogue) is not None
+    few = linears[0]._few_rows_config(x) is not None
     kernel = ("gemv" if rows == 1 else "few_rows" if few else "cublas") if DEVICE == "cuda" else "torch"
     silu = gated and kernel != "gemv" and not (few and epilogue)  # else the SiLU kernel after the product
     out = n // 2 if gated else n

@@ -171,7 +171,7 @@ class RowLinear(nn.Module):
         own kernel)."""
         if x.shape[0] > HANDOFF_MOST_ROWS or residual.stride() != (self.linear.weight.shape[0], 1):
             return None
-        config = self._few_rows_config(x, gated=False)
+        config = self._few_rows_config(x)
         if config is None:
             return None
         return Sum(*few_rows(x, self.linear.weight, self.linear.bias, *config, residual=residual, next_norm=next_norm),
@@ -182,10 +182,10 @@ class RowLinear(nn.Module):
         squares, no norm kernel before it (few_rows.HANDOFF_MOST_ROWS; rounded otherwise than that path);
         with silu_and_mul, the activation of a gate/up projection as activated() gives it. None
         where few_rows does not take x, or x has no weighted rows."""
-        gated = silu_and_mul is not None and self.gives_activation(x.total.device, x.total.shape[0])
-        config = self._few_rows_config(x.total, gated)
+        config = self._few_rows_config(x.total)
         if config is None or x.weighted is None:
             return None
+        gated = silu_and_mul is not None and self.gives_activation(x.total.device, x.total.shape[0])
         out = few_rows(x.weighted, self.linear.weight, self.linear.bias, *config, gated=gated, normed=(x.squares, eps))
         return silu_and_mul(out) if silu_and_mul is not None and not gated else out
 
@@ -196,16 +196,17 @@ class RowLinear(nn.Module):
             return None
         if x.shape[0] == 1:
             return gemv(x, self.linear.weight, self.linear.bias, gated)
-        config = self._few_rows_config(x, gated)
+        if gated and not self.gives_activation(x.device, x.shape[0]):
+            return None
+        config = self._few_rows_config(x)
         return few_rows(x, self.linear.weight, self.linear.bias, *config, gated=gated) if config is not None else None
 
-    def _few_rows_config(self, x: torch.Tensor, gated: bool) -> tuple[int, int, int, int] | None:
-        """few_rows' config for x's product, or None where few_rows does not take it (gated: rows it
-        gives the activation of)."""
+    def _few_rows_config(self, x: torch.Tensor) -> tuple[int, int, int, int] | None:
+        """few_rows' config for x's product, or None where few_rows does not take it."""
         weight = self.linear.weight
         if (not x.is_cuda or x.stride(-1) != 1 or not 1 < x.shape[0] <= FEW_ROWS_LIMIT
                 or x.dtype not in (torch.bfloat16, torch.float16) or weight.shape[1] % 256
-                or (gated and not self.gives_activation(x.device, x.shape[0])) or not pdl.supported(x.device)):
+                or not pdl.supported(x.device)):
             return None
         return few_rows_config(x.device, *weight.shape, x.shape[0])
 

@@ -47,7 +47,7 @@ async def warm_up(engine) -> None:
         await decoding.wait()
         await run("fresh", shared, 1)
         await run("cached-8", shared + prompt(13, 8, vocab), 1)  # alone: a step's longest query picks the variant
-        for length in (20, 40):  # 17-63 rows: few_rows' gated and handoff variants (HANDOFF_MOST_ROWS)
+        for length in (20, 40):  # 17-63 rows: few_rows' tiles of 32 and 64 rows, gated and handing off
             await run(f"rows-{length}", prompt(29 + length, length, vocab), 1)
         await asyncio.gather(run("cached-40", shared + prompt(17, 40, vocab), 1), *shorts("greedy"))
         await run("sampled", prompt(19, 4, vocab), 2, **SAMPLED)  # sampling chooses over float logits
