@@ -8,7 +8,8 @@ cache of every sequence, and do their FLOPs; so its lower bound is
 
 with both ceilings measured on the device, not taken from a datasheet. A prefill of T tokens is
 bounded by its FLOPs alone (the weights are read once for thousands of tokens). DecodeProfile says
-where a decode step's time goes, kernel by kernel, and how much of it the device sits idle.
+where a decode step's time goes, kernel by kernel, and how much of it the device sits idle;
+device_floor, what the engine's step takes on the device with no host work between steps.
 """
 
 from __future__ import annotations
@@ -26,11 +27,11 @@ def copy_bandwidth(device: str) -> float:
     dst = torch.empty_like(src)
     for _ in range(3):
         dst.copy_(src)
-    _sync(device)
+    synchronize(device)
     started = time.perf_counter()
     for _ in range(10):
         dst.copy_(src)
-    _sync(device)
+    synchronize(device)
     seconds = (time.perf_counter() - started) / 10
     del src, dst
     return 2 * size / seconds
@@ -43,12 +44,12 @@ def matmul_peak(device: str) -> float:
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     for _ in range(3):
         a @ b
-    _sync(device)
+    synchronize(device)
     best = float("inf")
     for _ in range(10):
         started = time.perf_counter()
         a @ b
-        _sync(device)
+        synchronize(device)
         best = min(best, time.perf_counter() - started)
     return 2 * n ** 3 / best
 
@@ -122,6 +123,39 @@ class DecodeProfile:
                 "rest_ms_per_step": (busy - sum(us for _, us in largest)) / 1000 / steps}
 
 
-def _sync(device: str) -> None:
+def device_floor(engine, batch: int, context: int, steps: int = 50) -> float:
+    """ms a decode step of `batch` sequences at `context` tokens takes on the device alone: the
+    engine's CUDA graph for distinct rows, the argmax and the tokens' copy to the host, queued back
+    to back with each step's tokens fed to the next on the device, as the engine launches ahead but
+    with no engine thread between: the step when the host keeps ahead. A step beyond it is the
+    host's. Each row reads a context of its own blocks, so `batch` x `context` tokens must fit the
+    cache. It writes K/V there and rows of the graphs' host inputs that the engine keeps track
+    of: run it last, on an engine about to be unloaded."""
+    from worker.engines.native.sequence import to_host
+    from worker.engines.sampler import argmax
+
+    graphs, block_size = engine.graphs, engine.blocks.block_size
+    per_row = -(-context // block_size)
+    if batch * per_row > engine.blocks.num_blocks:
+        raise ValueError(f"{batch} x {context} tokens do not fit the cache's {engine.blocks.num_blocks} blocks")
+    (ids, positions, slots, lens), tables = graphs.host.packed.numpy(), graphs.host.tables.numpy()
+    for row in range(batch):
+        tables[row, :per_row] = range(row * per_row, (row + 1) * per_row)
+    ids[:batch], positions[:batch], lens[:batch] = 2, context - 1, context
+    slots[:batch] = tables[:batch, (context - 1) // block_size] * block_size + (context - 1) % block_size
+    tokens = torch.full((batch,), 2, dtype=torch.long, device="cuda")
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for step in range(-5, steps):  # five to warm up
+        if step == 0:
+            start.record()
+        graphs.copied.synchronize()  # the last run's inputs are read: the host buffer is free
+        tokens = argmax(graphs.run(batch, per_row, tokens, distinct=True))
+        to_host(tokens)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / steps
+
+
+def synchronize(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()

@@ -9,9 +9,9 @@ For each model shape (random weights, default RoPE; a word-level tokenizer of th
 3. a step-time model (bench/gpu_roofline.py) at every batch: the decode step's lower bound from its
    weight + KV bytes and its FLOPs against the measured copy bandwidth and bf16 matmul rate, each run
    as a fraction of it, and the batch's prefill (timed alone, the engine in this process) as a
-   fraction of the matmul rate; the decode steps at each batch under the torch profiler, the engine
-   in this process (device time by kernel, the host's gaps); and the
-   decode-attention kernel alone, contexts split in parts and not, by context length;
+   fraction of the matmul rate; the decode steps under the torch profiler (device time by kernel,
+   the host's gaps) and the step's device floor (its graph back to back, no host between), the
+   engine in this process; the decode-attention kernel alone, split and not, by context length;
 4. prefix sharing (first shape): 64 requests after one 1,024-token system prompt, cache on and off.
 
 Writes bench/results/native_gpu.json and native_gpu.png (--name: another file name, e.g. one per
@@ -39,7 +39,8 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.gpu_roofline import DecodeProfile, StepModel, copy_bandwidth, matmul_peak  # noqa: E402
+from bench.gpu_roofline import (DecodeProfile, StepModel, copy_bandwidth, device_floor, matmul_peak,  # noqa: E402
+                                synchronize)
 from bench.structured import machine  # noqa: E402
 from worker.config_loader import load_config  # noqa: E402
 from worker.engines.base import BaseEngine  # noqa: E402
@@ -134,16 +135,11 @@ def hf_greedy(model, ids: list[int], count: int) -> list[int]:
 def hf_generate(model, batch: int, new_tokens: int) -> float:
     ids = torch.randint(2, model.config.vocab_size, (batch, PROMPT), device=DEVICE)
     model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
-    synchronize()
+    synchronize(DEVICE)
     started = time.perf_counter()
     out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-    synchronize()
+    synchronize(DEVICE)
     return batch * (out.shape[1] - PROMPT) / (time.perf_counter() - started)
-
-
-def synchronize() -> None:
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
 
 
 def decode_attention_split() -> list[dict]:
@@ -176,7 +172,7 @@ def decode_attention_split() -> list[dict]:
                     for _ in range(10):
                         graph.replay()
                     end.record()
-                    synchronize()
+                    synchronize(DEVICE)
                     row[name] = start.elapsed_time(end) / 200 * 1000
                 rows.append(row)
                 print(f"  decode attention, context {context:5d}, batch {batch}: {row['unsplit_us']:6.1f} us unsplit, "
@@ -304,8 +300,8 @@ async def in_process(name: str, folder: Path, vocab: int, row: dict, model: Step
     """What needs the engine in this process, at each batch of row["native"]: the prefill of the
     whole batch timed alone (one token each, median of 3: in the decode runs the last prompts'
     chunks share steps with the first ones' decodes, and through a process of its own a burst's
-    first tokens came later, docs/benchmarks.md), and on CUDA the decode steps under the torch
-    profiler (device time by kernel, the host's gaps; it sees no other process's kernels)."""
+    first tokens came later, docs/benchmarks.md); on CUDA the decode steps under the torch profiler
+    (device time by kernel, the host's gaps; it sees no other process's kernels) and the device floor."""
     engine = engine_for(folder, "bfloat16")
     await engine.load_model()
     rng = random.Random(4)
@@ -328,6 +324,12 @@ async def in_process(name: str, folder: Path, vocab: int, row: dict, model: Step
             print(f"  {name} decode profile batch {batch}: {steps['wall_ms_per_step']:.3f} ms a step, device busy "
                   f"{steps['device_busy_ms_per_step']:.3f}, {steps['kernels_per_step']:.0f} kernels: " + "; ".join(
                       f"{k['kernel'][:32]} {k['ms_per_step']:.3f}" for k in steps["top"][:6]), flush=True)
+        for batch, result in row["native"].items() if DEVICE == "cuda" else ():  # last: it writes the cache
+            floor = device_floor(engine, batch, PROMPT + NEW // 2)
+            result["device_floor"] = {"ms": floor, "of_bound": result["decode_bound"]["bound_ms"] / floor}
+            print(f"  {name} batch {batch}: the device alone {floor:.3f} ms a step = "
+                  f"{result['device_floor']['of_bound']:.0%} of the bound; the engine's step "
+                  f"{result['decode_step_ms']:.3f}", flush=True)
     finally:
         await engine.unload_model()
 
