@@ -14,8 +14,7 @@ For each model shape (random weights, default RoPE; a word-level tokenizer of th
    engine in this process; the decode-attention kernel alone, split and not, by context length;
 4. prefix sharing (first shape): 64 requests after one 1,024-token system prompt, cache on and off.
 
-Writes bench/results/native_gpu.json and native_gpu.png (--name: another file name, e.g. one per
-device: native_gpu_h200).
+Writes bench/results/native_gpu.json and .png (--name: another name, e.g. native_gpu_h200).
 
     python bench/native_gpu.py [--shapes llama-3.2-1b,llama-3.1-8b] [--batches 1,16,64,256] [--repeats 3]
                                [--skip-equivalence] [--skip-prefix] [--name native_gpu]
@@ -327,9 +326,8 @@ async def in_process(name: str, folder: Path, vocab: int, row: dict, model: Step
         for batch, result in row["native"].items() if DEVICE == "cuda" else ():  # last: it writes the cache
             floor = device_floor(engine, batch, PROMPT + NEW // 2)
             result["device_floor"] = {"ms": floor, "of_bound": result["decode_bound"]["bound_ms"] / floor}
-            print(f"  {name} batch {batch}: the device alone {floor:.3f} ms a step = "
-                  f"{result['device_floor']['of_bound']:.0%} of the bound; the engine's step "
-                  f"{result['decode_step_ms']:.3f}", flush=True)
+            print(f"  {name} batch {batch}: the device alone {floor:.3f} ms a step = {result['device_floor']['of_bound']:.0%}"
+                  f" of the bound; the engine's step {result['decode_step_ms']:.3f}", flush=True)
     finally:
         await engine.unload_model()
 
@@ -349,10 +347,14 @@ def plot(result: dict, path: Path) -> None:
         ax.bar([i + 0.2 for i in x], [row["native"][b]["tokens_per_s"] for b in batches], 0.4, label="native")
         bounds = [int(b) * 1000 / row["native"][b]["decode_bound"]["bound_ms"] for b in batches]
         ax.plot([i + 0.2 for i in x], bounds, "k_", markersize=30, label="decode step-model bound")
+        if floors := [(i + 0.2, int(b) * 1000 / row["native"][b]["device_floor"]["ms"]) for i, b in enumerate(batches)
+                      if "device_floor" in row["native"][b]]:
+            ax.plot(*zip(*floors), "kx", label="the device alone (no host between steps)")
         for i, b in enumerate(batches):
             ax.annotate(f"{row['native'][b]['decode_bound']['of_bound']:.0%}", (i + 0.2, row["native"][b]["tokens_per_s"]),
-                        ha="center", va="bottom", fontsize=8)
+                        ha="center", va="top", fontsize=8)
         ax.set_yscale("log")
+        ax.set_ylim(top=max(bounds) * 30)  # room for the legend
         ax.set_xticks(list(x), [f"batch {b}" for b in batches])
         ax.set_ylabel("tokens/s")
         ax.set_title(f"{row['shape']} shape, bf16, {PROMPT} prompt / {NEW} new")
@@ -374,8 +376,7 @@ async def main() -> int:
     batches = [int(b) for b in args.batches.split(",")]
     result = {"benchmark": "native_gpu", "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__,
               "when": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(DEVICE), "prompt_tokens": PROMPT, "new_tokens": NEW}
-    result["copy_bandwidth_bytes_per_s"] = copy_bandwidth(DEVICE)
-    result["matmul_peak_flops"] = matmul_peak(DEVICE)
+    result["copy_bandwidth_bytes_per_s"], result["matmul_peak_flops"] = copy_bandwidth(DEVICE), matmul_peak(DEVICE)
     print(f"copy bandwidth {result['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul "
           f"{result['matmul_peak_flops'] / 1e12:.0f} TFLOP/s", flush=True)
     if DEVICE == "cuda":
