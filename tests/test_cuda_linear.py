@@ -69,6 +69,12 @@ def test_the_one_row_kernel_takes_its_devices_config_for_the_widths_measured(mon
     assert few_rows.few_rows_config(h200, 4096, deepest + 256, 2) is None
     assert (few_rows.few_rows_config(h200, 2048, deepest, 16) == few_rows.few_rows_config(h100, 4096, deepest + 256, 2)
             == few_rows.FEW_ROWS)
+    # K not of 256s: the config's K tile halved until it divides K (SmolLM2's 576: 64); K not of 64s: cuBLAS
+    bn, _, warps, stages = few_rows.FEW_ROWS
+    assert few_rows.few_rows_config(h200, 960, 576, 16) == few_rows.few_rows_config(h100, 960, 576, 2) == (bn, 64, warps, stages)
+    assert few_rows.few_rows_config(h200, 960, 640, 16) == (bn, 128, warps, stages)
+    assert few_rows.few_rows_config(h200, 3072, 576, 64) == (*narrow[:1], 64, *narrow[2:])
+    assert few_rows.few_rows_config(h200, 960, 1000, 16) is None and few_rows.few_rows_config(h200, 960, 544, 2) is None
     # the activation from few_rows' kernel where the down projection after it goes to cuBLAS
     llama_1b, smollm2, uneven = (RowLinear(torch.nn.Linear(k, 2 * n, bias=False, device="meta"))
                                  for k, n in ((2048, 8192), (576, 1536), (576, 1000)))
@@ -193,27 +199,30 @@ def test_few_rows_adds_the_residual_stream_and_the_next_product_takes_its_norm()
     ops = Elementwise()
     ops.use_triton()
     dtype = torch.bfloat16
-    o = RowLinear(torch.nn.Linear(2048, 2048, bias=False, device="cuda", dtype=dtype))
-    for n, bias in ((3072, False), (1001, True), (2 * 8192, False)):  # qkv, an uneven N with a bias, gate/up
-        linear = RowLinear(torch.nn.Linear(2048, n, bias=bias, device="cuda", dtype=dtype))
-        norm = torch.rand(2048, device="cuda", dtype=dtype) + 0.5
-        for rows in (2, 8, 16, 17, 32, 40):
-            x, residual = (torch.randn(rows, 2048, device="cuda", dtype=dtype) for _ in range(2))
-            summed = o.adding(x, residual, norm)
-            if summed is None:  # rows few_rows does not take on this device, or past HANDOFF_MOST_ROWS
-                assert rows > HANDOFF_MOST_ROWS or few_rows_config(x.device, 2048, 2048, rows) is None
-                continue
-            want_total, h = ops.add_rms_norm(o(x), residual, norm, 1e-5)
-            assert torch.equal(summed.total, want_total) and summed.norm is norm
-            assert torch.equal(summed.weighted, (want_total.float() * norm.float()).to(dtype))
-            torch.testing.assert_close(summed.squares.sum(0), (want_total.float() ** 2).sum(1), rtol=1e-5, atol=0)
-            torch.testing.assert_close(linear.after_norm(summed, 1e-5), linear(h), atol=3e-2, rtol=2e-2)
-            if n == 2 * 8192:  # the activation: the kernel's own where it gives it, else the SiLU kernel's
-                got = linear.after_norm(summed, 1e-5, ops.silu_and_mul)
-                assert torch.equal(got, ops.silu_and_mul(linear.after_norm(summed, 1e-5)))
-            unweighted = o.adding(x, residual)
-            assert torch.equal(unweighted.total, want_total) and linear.after_norm(unweighted, 1e-5) is None
-    x = torch.randn(HANDOFF_MOST_ROWS + 1, 2048, device="cuda", dtype=dtype)
+    # qkv, an uneven N with a bias, gate/up: the Llama-1B shape's width, and SmolLM2's (K 576, in tiles of 64)
+    for width, products in ((2048, ((3072, False), (1001, True), (2 * 8192, False))),
+                            (576, ((960, True), (2 * 1536, False)))):
+        o = RowLinear(torch.nn.Linear(width, width, bias=False, device="cuda", dtype=dtype))
+        for n, bias in products:
+            linear = RowLinear(torch.nn.Linear(width, n, bias=bias, device="cuda", dtype=dtype))
+            norm = torch.rand(width, device="cuda", dtype=dtype) + 0.5
+            for rows in (2, 8, 16, 17, 32, 40):
+                x, residual = (torch.randn(rows, width, device="cuda", dtype=dtype) for _ in range(2))
+                summed = o.adding(x, residual, norm)
+                if summed is None:  # rows few_rows does not take on this device, or past HANDOFF_MOST_ROWS
+                    assert rows > HANDOFF_MOST_ROWS or few_rows_config(x.device, width, width, rows) is None
+                    continue
+                want_total, h = ops.add_rms_norm(o(x), residual, norm, 1e-5)
+                assert torch.equal(summed.total, want_total) and summed.norm is norm
+                assert torch.equal(summed.weighted, (want_total.float() * norm.float()).to(dtype))
+                torch.testing.assert_close(summed.squares.sum(0), (want_total.float() ** 2).sum(1), rtol=1e-5, atol=0)
+                torch.testing.assert_close(linear.after_norm(summed, 1e-5), linear(h), atol=3e-2, rtol=2e-2)
+                if n in (2 * 8192, 2 * 1536):  # the activation: the kernel's own where it gives it, else the SiLU kernel's
+                    got = linear.after_norm(summed, 1e-5, ops.silu_and_mul)
+                    assert torch.equal(got, ops.silu_and_mul(linear.after_norm(summed, 1e-5)))
+                unweighted = o.adding(x, residual)
+                assert torch.equal(unweighted.total, want_total) and linear.after_norm(unweighted, 1e-5) is None
+    x = torch.randn(HANDOFF_MOST_ROWS + 1, width, device="cuda", dtype=dtype)
     assert o.adding(x[:1], x[:1], norm) is None and o.adding(x, x, norm) is None
 
 

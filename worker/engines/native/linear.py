@@ -205,8 +205,7 @@ class RowLinear(nn.Module):
         """few_rows' config for x's product, or None where few_rows does not take it."""
         weight = self.linear.weight
         if (not x.is_cuda or x.stride(-1) != 1 or not 1 < x.shape[0] <= FEW_ROWS_LIMIT
-                or x.dtype not in (torch.bfloat16, torch.float16) or weight.shape[1] % 256
-                or not pdl.supported(x.device)):
+                or x.dtype not in (torch.bfloat16, torch.float16) or not pdl.supported(x.device)):
             return None
         return few_rows_config(x.device, *weight.shape, x.shape[0])
 
@@ -220,4 +219,4 @@ class RowLinear(nn.Module):
         (three rounds; 1.13-1.15 at 16 in three calls before), though [gate_up, down] alone in a
         CUDA graph took 32.3 us a layer against 33.3."""
         n, k = self.linear.weight.shape[1], self.linear.weight.shape[0] // 2  # the down projection's
-        return k % 256 != 0 or few_rows_config(device, n, k, rows) is None  # as _few_rows_config takes it
+        return few_rows_config(device, n, k, rows) is None  # as _few_rows_config takes it
