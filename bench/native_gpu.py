@@ -11,7 +11,8 @@ For each model shape (random weights, default RoPE; a word-level tokenizer of th
    as a fraction of it, and the batch's prefill (timed alone, the engine in this process) as a
    fraction of the matmul rate; the decode steps under the torch profiler (device time by kernel,
    the host's gaps) and the step's device floor (its graph back to back, no host between), the
-   engine in this process; the decode-attention kernel alone, split and not, by context length;
+   engine in this process; the decode-attention kernel alone, split and not, by context length
+   (bench/attention_split.py);
 4. prefix sharing (first shape): 64 requests after one 1,024-token system prompt, cache on and off.
 
 Writes bench/results/native_gpu.json and .png (--name: another name, e.g. native_gpu_h200).
@@ -38,6 +39,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.attention_split import decode_attention_split  # noqa: E402
 from bench.gpu_roofline import (DecodeProfile, StepModel, copy_bandwidth, device_floor, matmul_peak,  # noqa: E402
                                 synchronize)
 from bench.structured import machine  # noqa: E402
@@ -139,46 +141,6 @@ def hf_generate(model, batch: int, new_tokens: int) -> float:
     out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     synchronize(DEVICE)
     return batch * (out.shape[1] - PROMPT) / (time.perf_counter() - started)
-
-
-def decode_attention_split() -> list[dict]:
-    """The paged decode-attention kernel with its contexts split in parts and not, Llama-1B's heads,
-    bf16, microseconds a call (20 calls in a CUDA graph, replayed 10 times)."""
-    from worker.engines.native import attention
-
-    block, kv_heads, heads, dim = 16, 8, 32, 64
-    rows, default = [], attention.MAX_SPLITS
-    try:
-        for context in (256, 1024, 4096, 16384):
-            for batch in (1, 4):
-                blocks = batch * context // block
-                k = torch.randn(blocks * block, kv_heads, dim, device=DEVICE, dtype=torch.bfloat16)
-                v = torch.randn_like(k)
-                tables = torch.arange(blocks, device=DEVICE, dtype=torch.int32).view(batch, -1)
-                lens = torch.full((batch,), context, device=DEVICE, dtype=torch.int32)
-                q = torch.randn(batch, heads, dim, device=DEVICE, dtype=torch.bfloat16)
-                row = {"context": context, "batch": batch}
-                for name, splits in (("unsplit_us", 1), ("split_us", default)):
-                    attention.MAX_SPLITS = splits
-                    for _ in range(3):
-                        attention.decode_attention(q, k, v, tables, lens, block)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph):
-                        for _ in range(20):
-                            attention.decode_attention(q, k, v, tables, lens, block)
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    for _ in range(10):
-                        graph.replay()
-                    end.record()
-                    synchronize(DEVICE)
-                    row[name] = start.elapsed_time(end) / 200 * 1000
-                rows.append(row)
-                print(f"  decode attention, context {context:5d}, batch {batch}: {row['unsplit_us']:6.1f} us unsplit, "
-                      f"{row['split_us']:6.1f} us split in up to {default} parts", flush=True)
-    finally:
-        attention.MAX_SPLITS = default
-    return rows
 
 
 async def equivalence(shape: dict, work: Path) -> dict:
