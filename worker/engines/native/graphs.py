@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from worker.engines.native import blas
 from worker.engines.native.batch import Batch
 from worker.engines.native.model import LlamaModel
 from worker.engines.native.sequence import Sequence, logit_rows, pick
@@ -103,8 +104,8 @@ class DecodeGraphs:
                               self.every_row[:size], block_size, prefills=[], decode_tables=self.tables[:size],
                               decode_lens=self.lens[:size], distinct=distinct)
                 side.wait_stream(torch.cuda.current_stream(device))
-                with torch.cuda.stream(side):  # compiles the kernels and settles the allocator
-                    model(batch, k_cache, v_cache)
+                with torch.cuda.stream(side), blas.tuning():  # compiles the kernels, settles the allocator
+                    model(batch, k_cache, v_cache)  # and picks cuBLAS's front end for each product
                 torch.cuda.current_stream(device).wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):

@@ -1,8 +1,9 @@
 """Linear layers: each product taken to the kernel that reads its weight fastest.
 
 On CUDA, `RowLinear` sends one row to gemv.py's kernel, a few rows to few_rows.py's and more to
-torch's (cuBLAS). A decode step on a CPU is mostly its linear layers reading their weights, laid out
-once, at load, for the kernel that reads them:
+torch's (cuBLAS, through the front end blas.py chose for the shape). A decode step on a CPU is
+mostly its linear layers reading their weights, laid out once, at load, for the kernel that reads
+them:
 - `PackedLinear`: the full-precision weight in oneDNN's blocked layout (fp32 or bf16), or bf16 as
   it is where oneDNN has no bf16.
 - `QuantLinear` (engine.args.quantization=int4): weight-only, 4 bits for the decoder layers and 8
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from worker.engines.native import kernels, pdl
+from worker.engines.native import blas, kernels, pdl
 from worker.engines.native.few_rows import FEW_ROWS_LIMIT, HANDOFF_MOST_ROWS, few_rows, few_rows_config
 from worker.engines.native.gemv import NORMED_MAX, gemv, gemv_after_norm, rope_inside, triton
 from worker.engines.native.rotary import Rope
@@ -132,7 +133,7 @@ class RowLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self._through_kernel(x, gated=False)
-        return out if out is not None else self.linear(x)
+        return out if out is not None else blas.linear(self.linear, x)
 
     def activated(self, x: torch.Tensor, silu_and_mul) -> torch.Tensor:
         """silu_and_mul(linear(x)) of a gate/up projection ([gate | up] weights): where gemv or

@@ -1,0 +1,61 @@
+"""blas.py: which of cuBLAS's front ends a product that goes to torch's linear runs through."""
+
+import pytest
+import torch
+
+
+@pytest.fixture
+def chosen(monkeypatch):
+    from worker.engines.native import blas
+
+    monkeypatch.setattr(blas, "_CHOSEN", {})
+    return blas._CHOSEN
+
+
+def test_products_off_cuda_run_as_torch_runs_them_and_choose_nothing(chosen):
+    from worker.engines.native import blas
+
+    layer = torch.nn.Linear(16, 8)
+    x = torch.randn(5, 16)
+    with blas.tuning():
+        assert torch.equal(blas.linear(layer, x), layer(x))
+    assert chosen == {}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLAS runs on CUDA")
+def test_a_shape_is_timed_once_while_tuning_never_while_a_graph_is_captured(chosen, monkeypatch):
+    """Outside tuning() nothing is timed and torch's default runs; inside, the first product of a
+    shape is timed and the choice runs it and every later one of that shape (cublasLt seen set while
+    the product runs); a shape first met while a graph is captured takes the default, untimed."""
+    from worker.engines.native import blas
+
+    timed, seen = [], []
+    monkeypatch.setattr(blas, "_faster", lambda layer, x: timed.append(x.shape) or "cublaslt")
+    layer = torch.nn.Linear(256, 512, bias=False, device="cuda", dtype=torch.bfloat16)
+    layer.register_forward_hook(lambda *_: seen.append(torch.backends.cuda.preferred_blas_library()))
+    default, lt = torch.backends.cuda.preferred_blas_library(), torch._C._BlasBackend.Cublaslt
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    torch.testing.assert_close(blas.linear(layer, x), x @ layer.weight.t())
+    assert timed == [] and seen == [default]
+    with blas.tuning():
+        for _ in range(2):
+            torch.testing.assert_close(blas.linear(layer, x), x @ layer.weight.t())
+    assert timed == [(64, 256)] and seen[1:] == [lt, lt]
+    assert blas.linear(layer, x) is not None and seen[-1] == lt  # the choice stays
+    assert torch.backends.cuda.preferred_blas_library() == default  # and is set only around the call
+    other = torch.randn(48, 256, device="cuda", dtype=torch.bfloat16)
+    blas.linear(layer, other)  # compiles nothing, but settles the allocator before capture
+    graph = torch.cuda.CUDAGraph()
+    with blas.tuning(), torch.cuda.graph(graph):
+        blas.linear(layer, other)
+    assert timed == [(64, 256)] and seen[-1] == default
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLAS runs on CUDA")
+def test_timing_both_front_ends_leaves_the_default_in_place(chosen):
+    from worker.engines.native import blas
+
+    layer = torch.nn.Linear(1024, 2048, bias=False, device="cuda", dtype=torch.bfloat16)
+    default = torch.backends.cuda.preferred_blas_library()
+    assert blas._faster(layer, torch.zeros(32, 1024, device="cuda", dtype=torch.bfloat16)) in blas.LIBRARIES
+    assert torch.backends.cuda.preferred_blas_library() == default
