@@ -44,7 +44,7 @@ def test_a_shape_is_timed_once_while_tuning_never_while_a_graph_is_captured(chos
     assert blas.linear(layer, x) is not None and seen[-1] == lt  # the choice stays
     assert torch.backends.cuda.preferred_blas_library() == default  # and is set only around the call
     other = torch.randn(48, 256, device="cuda", dtype=torch.bfloat16)
-    blas.linear(layer, other)  # compiles nothing, but settles the allocator before capture
+    blas.linear(layer, other)  # the shape's first cuBLAS call before the capture, as graphs.py runs each size first
     graph = torch.cuda.CUDAGraph()
     with blas.tuning(), torch.cuda.graph(graph):
         blas.linear(layer, other)

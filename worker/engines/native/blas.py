@@ -73,7 +73,7 @@ def _faster(layer: nn.Linear, x: torch.Tensor) -> str:
     times: dict[str, list[float]] = {name: [] for name in LIBRARIES}
     for _ in range(ROUNDS):
         for name in LIBRARIES:
-            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(CALLS)]
+            events = [tuple(torch.cuda.Event(enable_timing=True) for _ in range(2)) for _ in range(CALLS)]
             with _library(name):
                 layer(rows)
                 for start, end in events:
