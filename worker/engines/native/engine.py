@@ -44,7 +44,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 ARGS = {"block_size": 16, "max_num_batched_tokens": 2048, "max_num_seqs": 64, "gpu_memory_utilization": 0.9,
         "kv_cache_dtype": "auto", "enable_prefix_caching": True, "enforce_eager": False, "cpu_threads": 0,
         "overlap_output": "auto", "quantization": "none", "prefill_chunk_s": 0.25, "max_kv_blocks": 0,
-        "speculation": "auto", "speculative_tokens": 4, "speculative_ngram_min": 2, "speculative_ngram_max": 4,
+        "speculation": "auto", "speculative_tokens": 8, "speculative_ngram_min": 2, "speculative_ngram_max": 4,
         "speculative_min_accepted": 0.5}
 
 
