@@ -168,6 +168,13 @@ def test_generate_cli_prints_text_and_fails_with_the_status(worker_process):
     bad = subprocess.run([sys.executable, "-m", "worker", "generate", "--socket", worker.socket_path,
                           "--top-p", "2", "hello"], capture_output=True, text=True, cwd=REPO)
     assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr
+    # The request's speculative field: asked of an engine that has none, refused; opted out of, served.
+    asked = subprocess.run([sys.executable, "-m", "worker", "generate", "--socket", worker.socket_path,
+                            "--speculative", "hello"], capture_output=True, text=True, cwd=REPO)
+    assert asked.returncode == 1 and "INVALID_ARGUMENT" in asked.stderr and "speculative" in asked.stderr
+    out = subprocess.run([sys.executable, "-m", "worker", "generate", "--socket", worker.socket_path,
+                          "--no-speculative", "--max-tokens", "3", "hello"], capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0 and "completion_tokens=3" in out.stderr
 
 
 def test_an_engine_that_stops_making_progress_is_not_ready_but_alive(worker_process):

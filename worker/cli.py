@@ -73,6 +73,8 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--request-id")
     gen.add_argument("--adapter")
     gen.add_argument("--request-model", dest="request_model", help="the request's model field")
+    gen.add_argument("--speculative", action=argparse.BooleanOptionalAction,
+                     help="ask for speculative decoding, or opt out of it (default: the engine's setting)")
     gen.add_argument("--timeout", type=float, help="gRPC deadline in seconds")
     gen.add_argument("--wait", type=float, default=0.0, help="wait up to this many seconds for the worker to be ready")
 
@@ -251,7 +253,8 @@ def _generate(args: argparse.Namespace, config: Config) -> int:
         top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
         presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty, stop=args.stop,
         stop_token_ids=args.stop_token_ids, seed=args.seed, ignore_eos=args.ignore_eos or None,
-        priority=args.priority, request_id=args.request_id, adapter=args.adapter, model=args.request_model)
+        priority=args.priority, request_id=args.request_id, adapter=args.adapter, model=args.request_model,
+        speculative=args.speculative)
     return generate(config.server.socket, request, wait_s=args.wait, timeout_s=args.timeout)
 
 
