@@ -350,15 +350,17 @@ async def test_short_prompts_admitted_beside_decodes_run_in_the_graphs(tiny_llam
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton compiles its kernels on CUDA")
 async def test_after_the_warm_up_nothing_compiles_in_service(tiny_llama):
     """The warm-up (warmup.py) runs the kinds of step a server meets: after it, prompts of several
-    lengths beside decodes, 1 to 5 at once after cached blocks, and sampled ones compile no Triton
-    kernel (each variant took 0.25-0.55 s on a fresh host). Kernels that are not warmed, tables of
-    an odd width or parts of a packed copy that are not 16 bytes in each make this fail."""
+    lengths beside decodes, 1 to 5 at once after cached blocks, sampled ones and ones that speculate
+    compile no Triton kernel (each variant took 0.25-0.55 s on a fresh host). Kernels that are not
+    warmed, tables of an odd width or parts of a packed copy that are not 16 bytes in each make this fail."""
     import random
 
     import triton
 
+    # Proposals after one matching token: the random model's tokens then find one in its prompts.
     config = load_config(None, {"HOME": "/tmp"}, {"engine.name": "native", "engine.model": str(tiny_llama),
-                                                  "engine.dtype": "bfloat16", "engine.device": "cuda"})
+                                                  "engine.dtype": "bfloat16", "engine.device": "cuda",
+                                                  "engine.args.speculative_ngram_min": "1"})
     engine = NativeEngine(config)
     await engine.load_model()
     compiled = []
@@ -370,8 +372,8 @@ async def test_after_the_warm_up_nothing_compiles_in_service(tiny_llama):
 
         decoding = asyncio.Event()  # set at the long request's first token: the rest run beside it
 
-        async def one(ids: list[int], max_tokens: int, **sampling) -> None:
-            request = GenerationRequest(request_id=f"r{rng.random()}", prompt_token_ids=ids,
+        async def one(ids: list[int], max_tokens: int, speculative: bool | None = None, **sampling) -> None:
+            request = GenerationRequest(request_id=f"r{rng.random()}", prompt_token_ids=ids, speculative=speculative,
                                         sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling))
             async for _ in engine.stream_predict(request):
                 decoding.set()
@@ -384,9 +386,13 @@ async def test_after_the_warm_up_nothing_compiles_in_service(tiny_llama):
                 await asyncio.gather(*(one(shared + [rng.randrange(2, 512) for _ in range(new)], 3)
                                        for new in (2, 9, 20, 33, 70)[:count]))
             await one([5, 6, 7], 4, temperature=0.9, top_p=0.8, seed=3)
+            copied = [rng.randrange(2, 512) for _ in range(200)]
+            await asyncio.gather(one(copied, 32, speculative=True),
+                                 one(copied[1:], 32, speculative=True, temperature=0.9, seed=3))
 
         await asyncio.gather(one([9, 10, 11], 400), beside())
         assert compiled == []
+        assert engine.speculation_stats()[0] > 0, "proposals were checked in service"
     finally:
         triton.knobs.runtime.jit_post_compile_hook = None
         await engine.unload_model()

@@ -87,6 +87,35 @@ def test_step_cost_fits_what_a_row_costs_once_the_rows_vary():
     assert abs(per_row - 0.0012) < 1e-4 and abs(base - 0.020) < 2e-3
 
 
+def test_one_slow_step_does_not_price_the_rows_after_it():
+    """A step that compiled a kernel or waited out a garbage collection counts as StepCost.OUTLIER
+    times the fit's time for its rows: a row's cost stays near what the steps around it say."""
+    cost = StepCost()
+    for step in range(60):
+        rows = 1 + step % 3 * 4
+        cost.record(rows, 0.0004 + 0.00002 * rows)
+    cost.record(9, 0.040)  # a hundred times its time
+    for step in range(10):
+        rows = 1 + step % 3 * 4
+        cost.record(rows, 0.0004 + 0.00002 * rows)
+    base, per_row = cost.fit()
+    assert per_row < 0.00006 and abs(base - 0.0004) < 0.0002
+
+
+def test_forgetting_takes_a_speculator_back_to_a_new_one():
+    """What the warm-up's steps taught (warmup.py; their times include compiles) and counted goes."""
+    speculator = Speculator(SETTINGS)
+    for rows in (1, 5, 9, 1, 5, 9):
+        speculator.step_cost.record(rows, 0.1 * rows)
+    speculator.record_period(chained=True, tokens=8, seqs=8, seconds=0.001)
+    speculator.record_period(chained=False, tokens=8, seqs=8, seconds=0.1)
+    speculator.drafts, speculator.recent = 3, 0.5
+    assert speculator.step_cost.fit() is not None and not speculator.schedules_next()
+    speculator.forget()
+    assert speculator.step_cost.fit() is None and speculator.stats() == (0, 0, 0)
+    assert speculator.recent == SETTINGS.num_tokens and speculator.schedules_next()
+
+
 def test_with_overlap_a_proposing_step_is_scheduled_only_while_scheduling_gives_more_tokens():
     """On CUDA a step whose sequences may propose gives up its launch ahead: that happens while
     either rate is unmeasured, while scheduled steps have lately given more tokens a second a
@@ -356,6 +385,31 @@ async def test_steps_launched_ahead_through_a_double_of_the_graphs_give_the_same
                 engine.abort(stream)
                 aborted = True
         assert aborted
+        assert engine.num_unfinished() == 0 and engine.blocks.num_free == engine.blocks.num_blocks
+    finally:
+        await engine.unload_model()
+
+
+async def test_the_warm_up_checks_proposals_and_leaves_the_speculator_as_a_new_engine_s(tiny_llama):
+    """warmup.py (run on CUDA before the worker is ready) runs requests that speculate, so their
+    kernels are compiled before service, then forgets what its steps taught: a fresh worker's first
+    requests that asked to speculate had proposals priced by the warm-up's compiles (an H200, SmolLM2:
+    2 checks where the next requests made 5, and 33 ms against 22 without speculation)."""
+    from worker.engines.native.warmup import warm_up
+
+    engine = NativeEngine(load_config(None, {"HOME": "/tmp"}, {
+        "engine.name": "native", "engine.model": str(tiny_llama), "engine.dtype": "float32",
+        "engine.args.speculation": "requested"}))
+    await engine.load_model()
+    learned = []
+    forget = engine.speculator.forget
+    engine.speculator.forget = lambda: (learned.append((engine.speculation_stats(), engine.speculator.step_cost.fit())),
+                                        forget())
+    try:
+        await warm_up(engine)
+        (drafts, proposed, _), fit = learned[0]
+        assert drafts > 0 and proposed > drafts and fit is not None, "the warm-up checked proposals, in steps of varying rows"
+        assert engine.speculation_stats() == (0, 0, 0) and engine.speculator.step_cost.fit() is None
         assert engine.num_unfinished() == 0 and engine.blocks.num_free == engine.blocks.num_blocks
     finally:
         await engine.unload_model()

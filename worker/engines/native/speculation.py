@@ -78,13 +78,20 @@ class Settings:
 class StepCost:
     """Seconds an all-decode step takes as a + b x rows, fitted to recent steps by least squares with
     exponential forgetting: b is what a proposed token costs the whole step. Unknown (None) until
-    the steps seen vary in rows."""
+    the steps seen vary in rows. A step over OUTLIER times the fit's time for its rows counts as
+    that: one step that compiled a kernel or waited out a garbage collection (tens of ms, against
+    ~0.5 ms for SmolLM2 on an H200) would otherwise price every row for a hundred steps after it,
+    and proposals would not pay for that long."""
+
+    OUTLIER = 4.0
 
     def __init__(self, decay: float = 0.97):
         self.decay = decay
         self._sums = [0.0] * 5  # weight, rows, rows^2, seconds, rows x seconds
 
     def record(self, rows: int, seconds: float) -> None:
+        if (fit := self.fit()) is not None and (expected := fit[0] + fit[1] * rows) > 0:
+            seconds = min(seconds, self.OUTLIER * expected)
         self._sums = [self.decay * total + value for total, value in
                       zip(self._sums, (1.0, rows, rows * rows, seconds, rows * seconds))]
 
@@ -218,6 +225,15 @@ class Speculator:
 
     def stats(self) -> tuple[int, int, int]:
         return self.drafts, self.proposed, self.accepted
+
+    def forget(self) -> None:
+        """Back to a new engine's state, counters and what steps taught: the warm-up's steps
+        (warmup.py) are not the service's, and their times include Triton's compiles."""
+        self.step_cost = StepCost(self.step_cost.decay)
+        self.drafts = self.proposed = self.accepted = 0
+        self.recent = float(self.settings.num_tokens)
+        self._rates = {True: None, False: None}
+        self._since_scheduled, self._explore = 0, EXPLORE_STEPS[0]
 
     def proposer_for(self, request: GenerationRequest, plain: bool) -> Proposer | None:
         """A proposer where the request speculates: asked for (or by default), and its next token

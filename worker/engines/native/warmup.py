@@ -8,6 +8,9 @@ cached prefix (the paged prefill kernel, for up to 16 new tokens and for more), 
 choice (sampler.argmax) over up to 16 rows and over more, of the model's logits and of float ones
 (sampling, penalties). A first batch of prompts sharing a prefix took 1.77 s to its first tokens,
 against 51-67 ms after this warm-up, which takes 1.6-2.5 s with Triton's cache empty, less once full.
+Where the engine speculates it also runs requests that do, then forgets what its steps taught the
+speculator (their times include the compiles): with what they taught, a fresh worker's first
+requests that asked to speculate found their proposals too dear to make.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ async def warm_up(engine) -> None:
     """Runs, on `engine` (loaded, on CUDA), with every prompt chunk a prefill: a request decoding
     throughout; beside it a fresh prompt, one after its cached blocks with 8 new tokens, prompts of
     20 and 40 tokens, one with 40 new tokens beside 32 short prompts, a sampled one alone and one
-    beside 32 more."""
+    beside 32 more; where the engine speculates, requests that ask to, alone and two at once."""
     vocab, block = engine.info.vocab_size, engine.blocks.block_size
     room = min(engine.info.max_model_len - 64, engine.kv_budget_tokens() // 4) // block * block
     if room < 2 * block:
@@ -37,8 +40,8 @@ async def warm_up(engine) -> None:
     shared = prompt(11, min(256, room), vocab)
     decoding = asyncio.Event()
 
-    async def run(name: str, ids: list[int], max_tokens: int, **sampling) -> None:
-        request = GenerationRequest(request_id=f"warmup-{name}", prompt_token_ids=ids,
+    async def run(name: str, ids: list[int], max_tokens: int, speculative: bool | None = None, **sampling) -> None:
+        request = GenerationRequest(request_id=f"warmup-{name}", prompt_token_ids=ids, speculative=speculative,
                                     sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling))
         async for _ in engine.stream_predict(request):
             decoding.set()
@@ -52,6 +55,11 @@ async def warm_up(engine) -> None:
         await asyncio.gather(run("cached-40", shared + prompt(17, 40, vocab), 1), *shorts("greedy"))
         await run("sampled", prompt(19, 4, vocab), 2, **SAMPLED)  # sampling chooses over float logits
         await asyncio.gather(run("sampled-many", prompt(23, 4, vocab), 2, **SAMPLED), *shorts("beside-sampled"))
+        if engine.speculates:  # checks of proposals, greedy and sampled, alone and side by side
+            copied = prompt(37, 24, vocab) * 3  # a model copies it at times, and proposals come of that
+            await run("speculative", copied, 32, speculative=True)
+            await asyncio.gather(run("speculative-beside", copied, 32, speculative=True),
+                                 run("speculative-sampled", copied, 32, speculative=True, **SAMPLED))
 
     def shorts(name: str) -> list:
         """More than 16 rows choose their tokens in one step: the greedy choice takes another variant."""
@@ -63,6 +71,6 @@ async def warm_up(engine) -> None:
         await asyncio.gather(run("decoding", prompt(3, 4, vocab), 64), beside())
     finally:
         engine.decode_rows = graph_rows
-    # What the warm-up counted is not the service's.
+    # What the warm-up counted, and what its steps' times (compiles among them) taught, is not the service's.
     engine.batcher.prefix_queried_tokens = engine.batcher.prefix_hit_tokens = 0
-    engine.speculator.drafts = engine.speculator.proposed = engine.speculator.accepted = 0
+    engine.speculator.forget()
