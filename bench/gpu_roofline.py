@@ -9,7 +9,8 @@ cache of every sequence, and do their FLOPs; so its lower bound is
 with both ceilings measured on the device, not taken from a datasheet. A prefill of T tokens is
 bounded by its FLOPs alone (the weights are read once for thousands of tokens). DecodeProfile says
 where a decode step's time goes, kernel by kernel, and how much of it the device sits idle;
-device_floor, what the engine's step takes on the device with no host work between steps.
+device_floor, what the engine's step takes on the device with no host work between steps, and
+floor_gaps, how much of that step the device sits idle between kernels.
 """
 
 from __future__ import annotations
@@ -131,6 +132,57 @@ def device_floor(engine, batch: int, context: int, steps: int = 50) -> float:
     host's. Each row reads a context of its own blocks, so `batch` x `context` tokens must fit the
     cache. It writes K/V there and rows of the graphs' host inputs that the engine keeps track
     of: run it last, on an engine about to be unloaded."""
+    step = _floor_step(engine, batch, context)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for index in range(-5, steps):  # five to warm up
+        if index == 0:
+            start.record()
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / steps
+
+
+def floor_gaps(engine, batch: int, context: int, steps: int = 20) -> dict:
+    """device_floor's steps under the profiler, ms a step: the time some kernel (or copy) runs
+    (`kernels`, the union of their spans: PDL's early launches overlap) and the device idle
+    between them (`idle`), split by the kernel after each gap: a library GEMM's (cuBLAS's, which
+    no kernel before it can start early), or one of ours (launched with PDL where the device has it).
+    `gemms`: the library GEMMs' own time. What the step's gaps cost is what a kernel fewer, or a
+    GEMM that overlapped its start with the kernel before it, could at most give back."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step = _floor_step(engine, batch, context)
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    busy = idle_gemm = idle_ours = gemms = 0.0
+    reach = spans[0][0]
+    for start, end, name in spans:
+        library = name.startswith(("nvjet", "sm90_", "sm80_", "cutlass", "ampere_", "void cublas"))
+        gemms += (end - start) if library else 0.0
+        if start > reach:
+            if library:
+                idle_gemm += start - reach
+            else:
+                idle_ours += start - reach
+        busy += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+    per = 1000.0 * steps
+    return {"kernels_ms": busy / per, "idle_ms": (idle_gemm + idle_ours) / per, "idle_before_library_gemms_ms":
+            idle_gemm / per, "idle_before_ours_ms": idle_ours / per, "library_gemms_ms": gemms / per,
+            "launches_per_step": len(spans) / steps}
+
+
+def _floor_step(engine, batch: int, context: int):
+    """device_floor's step as a function: the graph's run, its argmax and the tokens' copy, with
+    the rows set up (each its own blocks) and their tokens fed from one step to the next."""
     from worker.engines.native.sequence import to_host
     from worker.engines.sampler import argmax
 
@@ -143,17 +195,14 @@ def device_floor(engine, batch: int, context: int, steps: int = 50) -> float:
         tables[row, :per_row] = range(row * per_row, (row + 1) * per_row)
     ids[:batch], positions[:batch], lens[:batch] = 2, context - 1, context
     slots[:batch] = tables[:batch, (context - 1) // block_size] * block_size + (context - 1) % block_size
-    tokens = torch.full((batch,), 2, dtype=torch.long, device="cuda")
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for step in range(-5, steps):  # five to warm up
-        if step == 0:
-            start.record()
+    tokens = [torch.full((batch,), 2, dtype=torch.long, device="cuda")]
+
+    def step() -> None:
         graphs.copied.synchronize()  # the last run's inputs are read: the host buffer is free
-        tokens = argmax(graphs.run(batch, per_row, tokens, distinct=True))
-        to_host(tokens)
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / steps
+        tokens[0] = argmax(graphs.run(batch, per_row, tokens[0], distinct=True))
+        to_host(tokens[0])
+
+    return step
 
 
 def synchronize(device: str) -> None:

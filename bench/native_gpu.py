@@ -40,8 +40,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.attention_split import decode_attention_split  # noqa: E402
-from bench.gpu_roofline import (DecodeProfile, StepModel, copy_bandwidth, device_floor, matmul_peak,  # noqa: E402
-                                synchronize)
+from bench.gpu_roofline import (DecodeProfile, StepModel, copy_bandwidth, device_floor, floor_gaps,  # noqa: E402
+                                matmul_peak, synchronize)
 from bench.structured import machine  # noqa: E402
 from worker.config_loader import load_config  # noqa: E402
 from worker.engines.base import BaseEngine  # noqa: E402
@@ -287,9 +287,12 @@ async def in_process(name: str, folder: Path, vocab: int, row: dict, model: Step
                       f"{k['kernel'][:32]} {k['ms_per_step']:.3f}" for k in steps["top"][:6]), flush=True)
         for batch, result in row["native"].items() if DEVICE == "cuda" else ():  # last: it writes the cache
             floor = device_floor(engine, batch, PROMPT + NEW // 2)
-            result["device_floor"] = {"ms": floor, "of_bound": result["decode_bound"]["bound_ms"] / floor}
+            gaps = floor_gaps(engine, batch, PROMPT + NEW // 2)
+            result["device_floor"] = {"ms": floor, "of_bound": result["decode_bound"]["bound_ms"] / floor, "gaps": gaps}
             print(f"  {name} batch {batch}: the device alone {floor:.3f} ms a step = {result['device_floor']['of_bound']:.0%}"
-                  f" of the bound; the engine's step {result['decode_step_ms']:.3f}", flush=True)
+                  f" of the bound; the engine's step {result['decode_step_ms']:.3f}; under the profiler kernels "
+                  f"{gaps['kernels_ms']:.3f} ms, idle {gaps['idle_ms']:.3f} (before cuBLAS's GEMMs "
+                  f"{gaps['idle_before_library_gemms_ms']:.3f}, theirs {gaps['library_gemms_ms']:.3f})", flush=True)
     finally:
         await engine.unload_model()
 
