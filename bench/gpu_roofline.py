@@ -145,11 +145,11 @@ def device_floor(engine, batch: int, context: int, steps: int = 50) -> float:
 
 def floor_gaps(engine, batch: int, context: int, steps: int = 20) -> dict:
     """device_floor's steps under the profiler, ms a step: the time some kernel (or copy) runs
-    (`kernels`, the union of their spans: PDL's early launches overlap) and the device idle
-    between them (`idle`), split by the kernel after each gap: a library GEMM's (cuBLAS's, which
-    no kernel before it can start early), or one of ours (launched with PDL where the device has it).
-    `gemms`: the library GEMMs' own time. What the step's gaps cost is what a kernel fewer, or a
-    GEMM that overlapped its start with the kernel before it, could at most give back."""
+    (`kernels_ms`, the union of their spans: PDL's early launches overlap) and the device idle
+    between them (`idle_ms`), split by the kernel after each gap: a library GEMM's (cuBLAS's, which
+    no kernel before it can start early) or one of ours (launched with PDL where the device has it);
+    `library_gemms_ms`, those GEMMs' own time (split-K reductions included). What the gaps cost is
+    what a kernel fewer, or a GEMM that started early, could at most give back."""
     from torch.profiler import ProfilerActivity, profile
 
     step = _floor_step(engine, batch, context)

@@ -391,10 +391,10 @@ async def test_steps_launched_ahead_through_a_double_of_the_graphs_give_the_same
 
 
 async def test_the_warm_up_checks_proposals_and_leaves_the_speculator_as_a_new_engine_s(tiny_llama):
-    """warmup.py (run on CUDA before the worker is ready) runs requests that speculate, so their
-    kernels are compiled before service, then forgets what its steps taught: a fresh worker's first
-    requests that asked to speculate had proposals priced by the warm-up's compiles (an H200, SmolLM2:
-    2 checks where the next requests made 5, and 33 ms against 22 without speculation)."""
+    """warmup.py (run on CUDA before the worker is ready) runs requests that speculate, so the first
+    use of the checks' paths is paid before service, then forgets what its steps taught: a fresh
+    worker's first requests that asked to speculate had proposals priced by the warm-up's compiles
+    (an H200, SmolLM2: 2 checks where the next requests made 5, and 33 ms against 22 without)."""
     from worker.engines.native.warmup import warm_up
 
     engine = NativeEngine(load_config(None, {"HOME": "/tmp"}, {
