@@ -211,28 +211,24 @@ class Speculator:
     def __init__(self, settings: Settings):
         self.settings = settings
         self.by_default = bool(settings.by_default)  # the engine settles auto once it knows its device
+        self.forget()
+
+    def stats(self) -> tuple[int, int, int]:
+        return self.drafts, self.proposed, self.accepted
+
+    def forget(self) -> None:
+        """A new speculator's state, counters and what steps taught; the engine calls it after its
+        warm-up (warmup.py), whose steps are not the service's and whose times include compiles."""
         self.step_cost = StepCost()
         self.drafts = self.proposed = self.accepted = 0  # rows checked, tokens proposed, tokens accepted
         # Accepted tokens a verify step over every sequence's recent checks (moving average): a new
         # sequence's prior. At batch 8 on a 2-core CPU each proposed row costs ~1/8 of a step, and
         # new sequences starting from k let in proposals of RAG answers that added 1.3 tokens a
         # check (0.93x); with k, rewrites, which add 3.7, kept theirs (1.51x).
-        self.recent = float(settings.num_tokens)
+        self.recent = float(self.settings.num_tokens)
         # With overlap: tokens a second a sequence gets from decode steps launched ahead (chained)
         # and from those scheduled so that sequences may propose (moving averages).
         self._rates: dict[bool, float | None] = {True: None, False: None}
-        self._since_scheduled, self._explore = 0, EXPLORE_STEPS[0]
-
-    def stats(self) -> tuple[int, int, int]:
-        return self.drafts, self.proposed, self.accepted
-
-    def forget(self) -> None:
-        """Back to a new engine's state, counters and what steps taught: the warm-up's steps
-        (warmup.py) are not the service's, and their times include Triton's compiles."""
-        self.step_cost = StepCost(self.step_cost.decay)
-        self.drafts = self.proposed = self.accepted = 0
-        self.recent = float(self.settings.num_tokens)
-        self._rates = {True: None, False: None}
         self._since_scheduled, self._explore = 0, EXPLORE_STEPS[0]
 
     def proposer_for(self, request: GenerationRequest, plain: bool) -> Proposer | None:
