@@ -356,3 +356,18 @@ def test_quantization_settings_are_checked(embedded_model, settings, message):
 
     with pytest.raises(ConfigError, match=message):
         engine_for(embedded_model, **settings)
+
+
+async def test_a_ready_worker_s_counters_hold_nothing_of_its_warm_up(embedded_model):
+    """The chat request the worker serves itself and the engine's warm-up, both before it is
+    ready, count in none of the engine's metrics: the prefix cache's counters start at 0, and the
+    first chat request then finds the template's leading block that the warm-up cached."""
+    from worker.client import build_request
+
+    async with running_worker(**{"engine.name": "native", "engine.model": str(embedded_model),
+                                 "engine.dtype": "float32"}) as (worker, client):
+        assert worker.engine.prefix_cache_stats() == (0, 0)
+        assert worker.engine.speculation_stats() in (None, (0, 0, 0))
+        replies = await client.collect(build_request("Name three colours.", chat=True, max_tokens=2))
+        queried, hits = worker.engine.prefix_cache_stats()
+        assert queried > 0 and hits >= 16 and replies[-1].usage.prompt_tokens > 16

@@ -185,6 +185,7 @@ class Worker:
             started = time.perf_counter()
             info = await self.engine.load_model()
             self.scheduler.set_budget(self.config.resources.budget_tokens or self.engine.kv_budget_tokens())
+            await self.inference.warm_up()  # first: the engine's warm-up then resets what it counted
             await self.engine.warmup()
             # What is loaded by now lives as long as the process: frozen, a full collection no
             # longer walks it. Unfrozen, one took ~200 ms of a batch-256 decode on an H100 (every

@@ -150,7 +150,14 @@ class NativeEngine(ThreadedEngine):
     async def warmup(self) -> None:
         await super().warmup()
         if self.device.type == "cuda":  # Triton's kernels compile at first use: here, not in service
-            await warm_up(self)
+            await warm_up(self)  # (which ends forgetting, as below)
+        else:
+            self.forget_warm_up()
+
+    def forget_warm_up(self) -> None:
+        """What the warm-up's requests (the worker's among them) counted and taught is not the service's."""
+        self.batcher.prefix_queried_tokens = self.batcher.prefix_hit_tokens = 0
+        self.speculator.forget()
 
     def _kv_memory(self) -> int:
         weights = self.model.weight_bytes()

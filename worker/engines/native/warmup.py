@@ -71,6 +71,4 @@ async def warm_up(engine) -> None:
         await asyncio.gather(run("decoding", prompt(3, 4, vocab), 64), beside())
     finally:
         engine.decode_rows = graph_rows
-    # What the warm-up counted, and what its steps' times (compiles among them) taught, is not the service's.
-    engine.batcher.prefix_queried_tokens = engine.batcher.prefix_hit_tokens = 0
-    engine.speculator.forget()
+    engine.forget_warm_up()  # its steps' times, compiles among them, taught nothing of the service
