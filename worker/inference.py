@@ -224,7 +224,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                                     messages=(ChatMessage(role="user", content="Hello, who are you?"),))
         try:
             request.prompt_token_ids = self.engine.encode(request)
-        except InvalidRequest:  # a model without a chat template: a plain prompt then
+        except Exception:  # noqa: BLE001 - no chat template, or one that refuses a lone user message
             request = dataclasses.replace(request, messages=None, prompt="Hello, who are you?")
             request.prompt_token_ids = self.engine.encode(request)
         request.prompt_token_ids = request.prompt_token_ids[:max(1, self.engine.info.max_model_len - 2)]
