@@ -375,9 +375,11 @@ async def test_a_ready_worker_s_counters_hold_nothing_of_its_warm_up(embedded_mo
 
 async def test_a_worker_whose_model_has_no_chat_template_warms_up_with_a_plain_prompt(tiny_llama):
     """The worker's own request before it is ready falls back to a plain prompt where the model
-    has no chat template (the tiny Llama): the worker loads, counts nothing of it, and serves."""
+    has no chat template (the tiny Llama): the worker loads, counts nothing of it, and serves. The
+    engine in a process of its own, as on CUDA: the counters it last reported before its warm-up
+    ended must not be the ones the worker shows."""
     async with running_worker(**{"engine.name": "native", "engine.model": str(tiny_llama),
-                                 "engine.dtype": "float32"}) as (worker, client):
+                                 "engine.dtype": "float32", "engine.own_process": "true"}) as (worker, client):
         assert worker.engine.prefix_cache_stats() == (0, 0)
         replies = await client.collect(synthetic_request(max_tokens=2, prompt="t5 t6 t7"))
         assert replies[-1].usage.completion_tokens == 2

@@ -194,6 +194,9 @@ class Host:
         except Exception as exc:  # noqa: BLE001 - the worker reports it
             self.channel.send(("failed", portable(exc)))
             return
+        # Counters as the warm-up leaves them (reset): the last ones sent held its requests' counts,
+        # and the worker showed those as the service's until the next report.
+        self.channel.send(("counters", self._counters(), self.engine.get_memory_usage()))
         self.channel.send(("warmed",))
 
     async def _report(self) -> None:
