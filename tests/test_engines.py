@@ -69,6 +69,18 @@ def chat(content: str, **sampling) -> pb.PredictRequest:
                              sampling=pb.SamplingParams(**sampling), return_token_ids=True)
 
 
+def test_a_ready_worker_counts_nothing_it_served_before_it_was_ready(served):
+    """First in this file, so first on each engine's worker: what the worker's own request and the
+    engine's warm-up made before the worker was ready counts in no metric."""
+    _, control, _ = served
+    text = control.Metrics(pb.MetricsRequest()).text
+    for name in ("cyllm_requests_total", "cyllm_generation_tokens_total", "cyllm_prefix_cache_queries_tokens_total",
+                 "cyllm_prefix_cache_hits_tokens_total", "cyllm_speculative_draft_tokens_total"):
+        values = re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+        assert all(float(value) == 0 for value in values), (name, values)
+    assert "cyllm_generation_tokens_total 0.0" in text
+
+
 def test_france_answers_paris_streamed_with_right_usage(served, tokenizer):
     stub, _, _ = served
     responses = list(stub.StreamPredict(chat(FRANCE, temperature=0.0, max_tokens=30)))

@@ -145,6 +145,11 @@ class VLLMEngine(BaseEngine):
     def kv_budget_tokens(self) -> int:
         return self._budget
 
+    async def warmup(self) -> None:
+        await super().warmup()
+        # vLLM records a step's stats before its outputs reach a stream: the warm-up's are all in.
+        self._prefix_stats = [0, 0]  # its requests (the worker's among them) are not the service's
+
     def prefix_cache_stats(self) -> tuple[int, int] | None:
         return (self._prefix_stats[0], self._prefix_stats[1]) if self.engine is not None else None
 
