@@ -299,3 +299,22 @@ class SidecarProcess(LoggedProcess):
 def sidecar(sidecar_binary):
     with _started(lambda sockets, *args, **kwargs: SidecarProcess(sidecar_binary, sockets, *args, **kwargs)) as start:
         yield start
+
+
+def record_check_runs(monkeypatch) -> list[tuple[bool, bool, bool]]:
+    """Spies on the native engine's reading of checks: for each run of a check launched ahead
+    (ahead.checks), (it stood, it checked proposals, its sequence had other runs), appended as read."""
+    import collections
+
+    from worker.engines.native.engine import NativeEngine
+
+    runs, verified = [], NativeEngine._verified
+
+    def spy(self, step):
+        if not step.launched_at and any(step.drafts):
+            counts = collections.Counter(map(id, step.verifying))
+            runs.extend(zip(step.standing(), map(bool, step.drafts), (counts[id(seq)] > 1 for seq in step.verifying)))
+        return verified(self, step)
+
+    monkeypatch.setattr(NativeEngine, "_verified", spy)
+    return runs

@@ -4,11 +4,11 @@ kernels themselves: tests/test_cuda_kernels.py and tests/test_cuda_linear.py; wh
 thread does not wait for: tests/test_cuda_waits.py."""
 
 import asyncio
-import collections
 
 import pytest
 import torch
 
+from tests.conftest import record_check_runs
 from worker.config_loader import load_config
 from worker.engines.native import ahead
 from worker.engines.native import engine as engine_module
@@ -238,17 +238,10 @@ async def test_checks_launched_ahead_give_the_same_tokens_whatever_the_outcome(t
     for each outcome (ahead.checks): the whole draft accepted, or a proposal rejected; the run that
     stands is kept, the others dropped. Greedy ids are those of speculation off, alone and batched,
     both outcomes happen, and every block comes back, after an abort mid-speculation too."""
-    launched, runs = [], []
-    checks, verified = ahead.checks, NativeEngine._verified
+    launched = []
+    checks = ahead.checks
     monkeypatch.setattr(ahead, "checks", lambda engine, step: launched.append(checks(engine, step)) or launched[-1])
-
-    def spy(self, step):
-        if not step.launched_at and any(step.drafts):  # a check launched ahead: for each of its sequences' runs,
-            counts = collections.Counter(map(id, step.verifying))  # (stands, checks proposals, not its only run)
-            runs.extend(zip(step.standing(), map(bool, step.drafts), (counts[id(seq)] > 1 for seq in step.verifying)))
-        return verified(self, step)
-
-    monkeypatch.setattr(NativeEngine, "_verified", spy)
+    runs = record_check_runs(monkeypatch)
     config = load_config(None, {"HOME": "/tmp"}, {"engine.name": "native", "engine.model": str(tiny_llama),
                                                   "engine.dtype": "float32", "engine.device": "cuda",
                                                   "engine.args.speculation": "requested"})

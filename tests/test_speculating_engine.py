@@ -4,10 +4,10 @@ speculating stream, its settings checked, steps launched ahead through a double 
 and the CUDA warm-up's speculating requests (rules of the proposer and verifier: test_speculation.py)."""
 
 import asyncio
-import collections
 
 import pytest
 
+from tests.conftest import record_check_runs
 from worker.config import ConfigError
 from worker.config_loader import load_config
 from worker.engines.native import ahead
@@ -121,18 +121,11 @@ async def test_steps_launched_ahead_through_a_double_of_the_graphs_give_the_same
     block comes back, after an abort with a check in flight too."""
     from tests.doubles.graphs import EagerGraphs
 
-    launched, runs = [], []
-    checks, decodes, verified = ahead.checks, ahead.decodes, NativeEngine._verified
+    launched = []
+    checks, decodes = ahead.checks, ahead.decodes
     monkeypatch.setattr(ahead, "checks", lambda engine, step: launched.append(checks(engine, step)) or launched[-1])
     monkeypatch.setattr(ahead, "decodes", lambda engine, step: launched.append(decodes(engine, step)) or launched[-1])
-
-    def spy(self, step):
-        if not step.launched_at and any(step.drafts):  # a check launched ahead: for each of its sequences' runs,
-            counts = collections.Counter(map(id, step.verifying))  # (stands, checks proposals, not its only run)
-            runs.extend(zip(step.standing(), map(bool, step.drafts), (counts[id(seq)] > 1 for seq in step.verifying)))
-        return verified(self, step)
-
-    monkeypatch.setattr(NativeEngine, "_verified", spy)
+    runs = record_check_runs(monkeypatch)
     engine = engine_for(embedded_model, speculation="requested", overlap_output="true")
     await engine.load_model()
     engine.graphs = EagerGraphs(engine.model, engine.k_cache, engine.v_cache, max_batch=64)

@@ -29,7 +29,7 @@ from worker.engines.native.model import load_model
 from worker.engines.native.pacer import PrefillPacer
 from worker.engines.native.sequence import DecodeRows, Sequence, Step, batch_of, kept_rows, pick
 from worker.engines.native.speculation import Settings, Speculator
-from worker.engines.native.warmup import warm_up
+from worker.engines.native.warmup import forget_warm_up, warm_up
 from worker.engines.prompt import encode_prompt, load_tokenizer
 from worker.engines.sampler import make_generator
 from worker.engines.threaded import ThreadedEngine
@@ -150,14 +150,9 @@ class NativeEngine(ThreadedEngine):
     async def warmup(self) -> None:
         await super().warmup()
         if self.device.type == "cuda":  # Triton's kernels compile at first use: here, not in service
-            await warm_up(self)  # (which ends forgetting, as below)
+            await warm_up(self)  # (which ends forgetting)
         else:
-            self.forget_warm_up()
-
-    def forget_warm_up(self) -> None:
-        """What the warm-up's requests (the worker's among them) counted and taught is not the service's."""
-        self.batcher.prefix_queried_tokens = self.batcher.prefix_hit_tokens = 0
-        self.speculator.forget()
+            forget_warm_up(self)
 
     def _kv_memory(self) -> int:
         weights = self.model.weight_bytes()

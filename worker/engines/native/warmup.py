@@ -71,4 +71,11 @@ async def warm_up(engine) -> None:
         await asyncio.gather(run("decoding", prompt(3, 4, vocab), 64), beside())
     finally:
         engine.decode_rows = graph_rows
-    engine.forget_warm_up()  # its steps' times, compiles among them, taught nothing of the service
+    forget_warm_up(engine)
+
+
+def forget_warm_up(engine) -> None:
+    """What the warm-up's requests (the worker's among them) counted, and what their steps' times
+    (compiles among them) taught the speculator, is not the service's."""
+    engine.batcher.prefix_queried_tokens = engine.batcher.prefix_hit_tokens = 0
+    engine.speculator.forget()
