@@ -59,3 +59,21 @@ def test_timing_both_front_ends_leaves_the_default_in_place(chosen):
     default = torch.backends.cuda.preferred_blas_library()
     assert blas._faster(layer, torch.zeros(32, 1024, device="cuda", dtype=torch.bfloat16)) in blas.LIBRARIES
     assert torch.backends.cuda.preferred_blas_library() == default
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLAS runs on CUDA")
+def test_the_timing_counts_the_device_not_the_host_launching():
+    """Five tiny kernels, each launched 3 ms after the call began: the graphs replay them without
+    the host, so the choice must count ~microseconds, not the 15 ms the host took."""
+    import time
+
+    from worker.engines.native import blas
+
+    x = torch.zeros(1, device="cuda")
+
+    def slow_launch():
+        time.sleep(0.003)
+        x.add_(1)
+
+    assert blas.device_ms(slow_launch, lambda: None, calls=5) < 1.0
+    assert x.item() >= 5

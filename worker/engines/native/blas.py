@@ -21,6 +21,8 @@ LIBRARIES = ("cublas", "cublaslt")
 MARGIN = 0.03
 """cublasLt is kept only where it is this much faster; within it, torch's default stays."""
 ROUNDS, CALLS = 3, 10
+HOLD_CYCLES = 2_000_000
+"""The spin that holds the stream while a timing's calls are queued (~1 ms), longer where that was short."""
 
 _CHOSEN: dict[tuple, str] = {}
 _TUNING = False
@@ -63,25 +65,51 @@ def _library(name: str):
 
 def _faster(layer: nn.Linear, x: torch.Tensor) -> str:
     """Both front ends timed on random rows of x's shape (zeros, as the graphs' buffers hold at
-    capture, draw less power and run faster), alternated, the median of each one's rounds; each call
-    after twice the L2's bytes are written, so that it reads the weight from memory, as a step's
-    layers do (the 1B shape's down projection, 32 MiB, ran from the L2 when timed back to back,
-    where cublasLt looked faster at 64 rows; in the graph it was the slower)."""
+    capture, draw less power and run faster), alternated, the median of each one's rounds. Before
+    each call twice the L2's bytes are read, so that the product reads its weight from memory, as a
+    step's layers do (the 1B shape's down projection, 32 MiB, ran from the L2 when timed back to
+    back, where cublasLt looked faster at 64 rows; in the graph it was the slower). Read, not
+    written: a flush that wrote them left the L2 full of lines to write back while the product read
+    its weight, and with the host's launches counted too (device_ms) the picks went either way
+    from one load to the next and against the graphs: on an H200, in a graph of 16 layers after
+    the kernel before them, the 1B shape's down projection at 64 rows took 15.2 us a layer through
+    cuBLAS and 16.7 through cublasLt, and a load that picked cublasLt for it ran the bench's batch
+    64 at 1.185 ms a step against 1.163; at 192 rows cublasLt took 20.3-20.5 against 24.2-24.7 and
+    two timings in five picked it. Now, five timings each of every product of the 1B and 8B shapes
+    at 32-256 rows: each pick the graph's faster where the two differ by more than MARGIN (1B down
+    at 192 rows and the 8B o at 32, 96 and 192 cublasLt, 5/5; the 8B down at 256 cuBLAS, 5/5), but
+    the 8B down at 32 rows, 3.1% apart, cuBLAS four times in five."""
     rows = torch.randn_like(x)
     flush = torch.empty(2 * torch.cuda.get_device_properties(x.device).L2_cache_size, dtype=torch.uint8,
                         device=x.device)
     times: dict[str, list[float]] = {name: [] for name in LIBRARIES}
     for _ in range(ROUNDS):
         for name in LIBRARIES:
-            events = [tuple(torch.cuda.Event(enable_timing=True) for _ in range(2)) for _ in range(CALLS)]
             with _library(name):
                 layer(rows)
-                for start, end in events:
-                    flush.zero_()
-                    start.record()
-                    layer(rows)
-                    end.record()
-            events[-1][1].synchronize()
-            times[name].append(sum(start.elapsed_time(end) for start, end in events))
+                times[name].append(device_ms(lambda: layer(rows), flush.amax))
     default, other = (sorted(times[name])[ROUNDS // 2] for name in LIBRARIES)
     return LIBRARIES[1] if other < default * (1 - MARGIN) else LIBRARIES[0]
+
+
+def device_ms(run, before, calls: int = CALLS, hold: int = HOLD_CYCLES) -> float:
+    """The device's time for `calls` runs of `run`, each after `before`, in ms: the stream is held
+    by a spin kernel while they are queued, so that no call waits for the host to launch it, as
+    none does in the graphs that replay them (timed with the device free, each call's time took in
+    its launch, cublasLt's the longer: it builds descriptors and asks its heuristic every call).
+    Where the hold ended before the last call was queued, it runs again with a longer one."""
+    while True:
+        events = [tuple(torch.cuda.Event(enable_timing=True) for _ in range(2)) for _ in range(calls)]
+        held = torch.cuda.Event()
+        torch.cuda._sleep(hold)
+        held.record()
+        for start, end in events:
+            before()
+            start.record()
+            run()
+            end.record()
+        queued_in_time = not held.query()
+        events[-1][1].synchronize()
+        if queued_in_time:
+            return sum(start.elapsed_time(end) for start, end in events)
+        hold *= 4
