@@ -6,7 +6,11 @@ cache of every sequence, and do their FLOPs; so its lower bound is
     max((weight bytes + B * c * kv bytes a token) / copy bandwidth,
         (2 * B * matmul weights + 4 * B * c * layers * heads * head_dim) / matmul peak)
 
-with both ceilings measured on the device, not taken from a datasheet. A prefill of T tokens is
+with both ceilings measured on the device, not taken from a datasheet. That bound lets the KV
+cache's bytes come while the products compute. In a layer the attention needs the qkv product and
+the o product needs the attention, so run one after the other each has its own limit:
+`serial_ms` = max(weight bytes / bandwidth, the products' FLOPs / peak) + KV bytes / bandwidth,
+what a step without two parts of its batch side by side can reach. A prefill of T tokens is
 bounded by its FLOPs alone (the weights are read once for thousands of tokens). DecodeProfile says
 where a decode step's time goes, kernel by kernel, and how much of it the device sits idle;
 device_floor, what the engine's step takes on the device with no host work between steps, and
@@ -73,7 +77,9 @@ class StepModel:
         read = 2 * (self.layer_weights + self.lm_head) + batch * context * self.kv_bytes_per_token
         flops = 2 * batch * (self.layer_weights + self.lm_head) + batch * context * self.attention_flops_per_context
         bound = max(read / self.bandwidth, flops / self.peak)
-        return {"bytes": read, "flops": flops, "bound_ms": bound * 1000,
+        weight_bytes, products = 2 * (self.layer_weights + self.lm_head), 2 * batch * (self.layer_weights + self.lm_head)
+        serial = max(weight_bytes / self.bandwidth, products / self.peak) + (read - weight_bytes) / self.bandwidth
+        return {"bytes": read, "flops": flops, "bound_ms": bound * 1000, "serial_ms": serial * 1000,
                 "bound_by": "bytes" if read / self.bandwidth >= flops / self.peak else "flops"}
 
     def prefill(self, batch: int, prompt: int) -> dict:

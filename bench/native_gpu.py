@@ -242,13 +242,15 @@ async def throughput(name: str, shape: dict, batches: list[int], work: Path, ban
             result = {**sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2], "runs_tokens_per_s": all_runs}
             # The step model at the decode's mean context.
             decode = model.decode(batch, PROMPT + NEW / 2)
-            result["decode_bound"] = {**decode, "of_bound": decode["bound_ms"] / result["decode_step_ms"]}
+            result["decode_bound"] = {**decode, "of_bound": decode["bound_ms"] / result["decode_step_ms"],
+                                      "of_serial": decode["serial_ms"] / result["decode_step_ms"]}
             row["native"][batch] = result
             print(f"  {name} native batch {batch}: {result['tokens_per_s']:8.0f} tok/s (HF "
                   f"{row['hf_generate'][batch]:.0f}), TTFT p50 {result['ttft_ms_p50']:.0f} ms; runs "
                   f"{', '.join(f'{t:.0f}' for t in all_runs)}; decode step {result['decode_step_ms']:.3f} ms = "
                   f"{result['decode_bound']['of_bound']:.0%} of its {decode['bound_by']} bound "
-                  f"{decode['bound_ms']:.3f} ms", flush=True)
+                  f"{decode['bound_ms']:.3f} ms, {result['decode_bound']['of_serial']:.0%} of its serial bound "
+                  f"{decode['serial_ms']:.3f} ms", flush=True)
     finally:
         await engine.unload_model()
     await in_process(name, folder, shape["vocab_size"], row, model)
