@@ -77,7 +77,8 @@ class StepModel:
         read = 2 * (self.layer_weights + self.lm_head) + batch * context * self.kv_bytes_per_token
         flops = 2 * batch * (self.layer_weights + self.lm_head) + batch * context * self.attention_flops_per_context
         bound = max(read / self.bandwidth, flops / self.peak)
-        weight_bytes, products = 2 * (self.layer_weights + self.lm_head), 2 * batch * (self.layer_weights + self.lm_head)
+        weight_bytes = 2 * (self.layer_weights + self.lm_head)
+        products = 2 * batch * (self.layer_weights + self.lm_head)  # the matmuls' FLOPs
         serial = max(weight_bytes / self.bandwidth, products / self.peak) + (read - weight_bytes) / self.bandwidth
         return {"bytes": read, "flops": flops, "bound_ms": bound * 1000, "serial_ms": serial * 1000,
                 "bound_by": "bytes" if read / self.bandwidth >= flops / self.peak else "flops"}
