@@ -77,7 +77,7 @@ def _faster(layer: nn.Linear, x: torch.Tensor) -> str:
     the kernel before them, the 1B shape's down projection at 64 rows took 15.2 us a layer through
     cuBLAS and 16.7 through cublasLt, and a load that picked cublasLt for it ran the bench's batch
     64 at 1.185 ms a step against 1.163; at 192 rows cublasLt took 20.3-20.5 against 24.2-24.7 and
-    two timings in five picked it. Now, five timings each of every product of the 1B and 8B shapes
+    one to three timings in five picked it. Now, five timings each of every product of the 1B and 8B shapes
     at 32-256 rows: each pick the graph's faster where the two differ by more than MARGIN (1B down
     at 192 rows and the 8B o at 32, 96 and 192 cublasLt, 5/5; the 8B down at 256 cuBLAS, 5/5), but
     the 8B down at 32 rows, 3.1% apart, cuBLAS four times in five."""
