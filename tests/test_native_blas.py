@@ -72,7 +72,7 @@ def test_the_timing_counts_the_device_not_the_host_launching():
     x = torch.zeros(1, device="cuda")
 
     def slow_launch():
-        time.sleep(0.003)
+        time.sleep(0.003)  # the slow host under test (cublasLt's launch, magnified), not a wait
         x.add_(1)
 
     assert blas.device_ms(slow_launch, lambda: None, calls=5) < 1.0

@@ -67,20 +67,21 @@ def _library(name: str):
 
 def _faster(layer: nn.Linear, x: torch.Tensor) -> str:
     """Both front ends timed on random rows of x's shape (zeros, as the graphs' buffers hold at
-    capture, draw less power and run faster), alternated, the median of each one's rounds. Before
-    each call twice the L2's bytes are read, so that the product reads its weight from memory, as a
-    step's layers do (the 1B shape's down projection, 32 MiB, ran from the L2 when timed back to
-    back, where cublasLt looked faster at 64 rows; in the graph it was the slower). Read, not
-    written: a flush that wrote them left the L2 full of lines to write back while the product read
-    its weight, and with the host's launches counted too (device_ms) the picks went either way
-    from one load to the next and against the graphs: on an H200, in a graph of 16 layers after
-    the kernel before them, the 1B shape's down projection at 64 rows took 15.2 us a layer through
-    cuBLAS and 16.7 through cublasLt, and a load that picked cublasLt for it ran the bench's batch
-    64 at 1.185 ms a step against 1.163; at 192 rows cublasLt took 20.3-20.5 against 24.2-24.7 and
-    one to three timings in five picked it. Now, five timings each of every product of the 1B and 8B shapes
-    at 32-256 rows: each pick the graph's faster where the two differ by more than MARGIN (1B down
-    at 192 rows and the 8B o at 32, 96 and 192 cublasLt, 5/5; the 8B down at 256 cuBLAS, 5/5), but
-    the 8B down at 32 rows, 3.1% apart, cuBLAS four times in five."""
+    capture, draw less power and run faster), alternated, the median of each one's rounds.
+    Before each call twice the L2's bytes are read, so that the product reads its weight from
+    memory, as a step's layers do (the 1B shape's down projection, 32 MiB, ran from the L2 when
+    timed back to back, where cublasLt looked faster at 64 rows; in the graph it was the
+    slower). Read, not written: a flush that wrote them left the L2 full of lines to write back
+    while the product read its weight, and with the host's launches counted too (device_ms) the
+    picks went either way from one load to the next and against the graphs: on an H200, in a
+    graph of 16 layers after the kernel before them, the 1B shape's down projection at 64 rows
+    took 15.2 us a layer through cuBLAS and 16.7 through cublasLt, and a load that picked
+    cublasLt for it ran the bench's batch 64 at 1.185 ms a step against 1.163; at 192 rows
+    cublasLt took 20.3-20.5 against 24.2-24.7 and one to three timings in five picked it. Now,
+    five timings each of every product of the 1B and 8B shapes at 32-256 rows: each pick the
+    graph's faster where the two differ by more than MARGIN (1B down at 192 rows and the 8B o at
+    32, 96 and 192 cublasLt, 5/5; the 8B down at 256 cuBLAS, 5/5), but the 8B down at 32 rows,
+    3.1% apart, cuBLAS four times in five."""
     rows = torch.randn_like(x)
     flush = torch.empty(2 * torch.cuda.get_device_properties(x.device).L2_cache_size, dtype=torch.uint8,
                         device=x.device)
