@@ -106,6 +106,23 @@ async def test_a_five_mib_message_and_a_huge_header_are_refused_by_the_library()
         assert (await client.wait_idle()).running == 0
 
 
+async def test_a_client_pinging_every_six_seconds_keeps_a_silent_stream():
+    """The worker's ping policy (server.keepalive_min_ping_interval_s, 5 s) on its own, with no
+    other call on the connection to reset grpc's strikes: grpc's default (5 minutes between pings
+    while nothing is sent, 2 strikes) closed such a stream with UNAVAILABLE "Too many pings"."""
+    from worker.gen.cyllm.inference.v1 import inference_pb2_grpc as pb_grpc
+
+    # A client that keeps pinging a call on which nothing is sent, every 6 s.
+    options = [("grpc.keepalive_time_ms", 6000), ("grpc.keepalive_timeout_ms", 5000),
+               ("grpc.http2.max_pings_without_data", 0), ("grpc.http2.min_time_between_pings_ms", 6000)]
+    async with (running_worker(**{"engine.args.prefill_tokens_per_s": "1"}) as (worker, _),
+                grpc.aio.insecure_channel(f"unix:{worker.config.server.socket}", options=options) as channel):
+        call = pb_grpc.InferenceServiceStub(channel).StreamPredict(synthetic_request(prompt="word " * 40))
+        messages = [message async for message in call]
+    assert messages[-1].usage.completion_tokens == 8
+    assert messages[0].timing.time_to_first_token_ms > 35_000
+
+
 def test_the_worker_exits_when_its_parent_dies():
     """A parent (a shell standing in for the sidecar or the container's init) starts the worker
     with exit_with_parent and is killed with SIGKILL: the worker notices and exits."""

@@ -78,31 +78,31 @@ class Stream(threading.Thread):
         self.channel.close()
 
 
-def test_a_first_token_after_three_minutes_of_prefill_arrives_through_the_sidecar(worker_process, sidecar):
-    """The worker's ping policy accepts the sidecar's keepalives (the grpc default sent GOAWAY
-    after ~60 s of silence), and its readiness counts prefill as progress (no output for 20 s
-    took a busy worker out of service)."""
+def test_a_first_token_after_75_s_of_prefill_arrives_through_the_sidecar(worker_process, sidecar):
+    """The worker's readiness counts prefill as progress (no output for 20 s took a busy worker out
+    of service, and the sidecar then stopped the polls whose answers had kept grpc's ping strikes
+    at zero: its streams died at ~60 s), and its ping policy accepts the sidecar's keepalives
+    (alone: test_faults). The stream is silent for 75 s, another request served at 30 s."""
     worker = worker_process(*SYNTHETIC, "--set", "engine.args.prefill_tokens_per_s=1")
     worker.wait_ready()
     front = sidecar([worker.socket_path])
     front.wait_ready()
-    silent = Stream(front, pb.PredictRequest(prompt="word " * 180, sampling=pb.SamplingParams(max_tokens=20)))
-    started, not_ready, served = time.monotonic(), [], 0
-    while time.monotonic() - started < 175:
+    silent = Stream(front, pb.PredictRequest(prompt="word " * 80, sampling=pb.SamplingParams(max_tokens=20)))
+    started, not_ready, served = time.monotonic(), [], False
+    while time.monotonic() - started < 75:
         status, body = readyz(front)
         if status != 200:
             not_ready.append((round(time.monotonic() - started), status, body))
-        elapsed = time.monotonic() - started
-        if served < 3 and elapsed > 30 + 60 * served:  # other work, with silences of 30-60 s between
+        if not served and time.monotonic() - started > 30:
             complete(front, timeout=30)
-            served += 1
+            served = True
         assert silent.is_alive(), f"the silent stream ended early: {silent.code}"
         time.sleep(1)
     silent.join(60)
     assert not_ready == [], "a worker busy with a long prompt must stay ready"
     assert silent.code == grpc.StatusCode.OK, silent.code
     assert silent.messages[-1].usage.completion_tokens == 20
-    assert silent.messages[-1].timing.time_to_first_token_ms > 175_000
+    assert silent.messages[-1].timing.time_to_first_token_ms > 75_000
     silent.close()
 
 

@@ -57,11 +57,11 @@ class ServerConfig:
     false keeps it alive and never ready, answering UNAVAILABLE with the load error."""
     keepalive_min_ping_interval_s: float = 5.0
     """The shortest spacing of HTTP/2 keepalive pings a client may send, with or without data
-    on the connection (grpc's min_recv_ping_interval_without_data). A client that pings more
-    often collects strikes and, past keepalive_max_ping_strikes, its connection is closed with
-    every stream on it: grpc's default of 5 minutes killed the sidecar's streams (it pings every
-    10 s) after a minute without output. Clients must ping no more often than this; the sidecar
-    reads it from GetInfo and refuses a worker it would strike against."""
+    on the connection (grpc's `grpc.http2.min_ping_interval_without_data_ms`). A client that
+    pings more often collects strikes and, past keepalive_max_ping_strikes, its connection is
+    closed with every stream on it: grpc's default of 5 minutes killed the sidecar's streams (it
+    pings every 10 s) after a minute without output. Clients must ping no more often than this;
+    the sidecar reads it from GetInfo and refuses a worker it would strike against."""
     keepalive_permit_without_calls: bool = True
     """Accept pings on a connection with no call open (the sidecar pings idle connections too,
     so that a hung worker is noticed before a request is sent to it)."""
@@ -73,7 +73,7 @@ class ServerConfig:
         """grpc server options: the message size and the keepalive policy above."""
         return [
             ("grpc.max_receive_message_length", self.max_receive_message_bytes),
-            ("grpc.http2.min_recv_ping_interval_without_data_ms", int(self.keepalive_min_ping_interval_s * 1000)),
+            ("grpc.http2.min_ping_interval_without_data_ms", int(self.keepalive_min_ping_interval_s * 1000)),
             ("grpc.keepalive_permit_without_calls", int(self.keepalive_permit_without_calls)),
             ("grpc.http2.max_ping_strikes", self.keepalive_max_ping_strikes),
         ]
