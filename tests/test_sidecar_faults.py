@@ -79,10 +79,10 @@ class Stream(threading.Thread):
 
 
 def test_a_first_token_after_75_s_of_prefill_arrives_through_the_sidecar(worker_process, sidecar):
-    """The worker's readiness counts prefill as progress (no output for 20 s took a busy worker out
-    of service, and the sidecar then stopped the polls whose answers had kept grpc's ping strikes
-    at zero: its streams died at ~60 s), and its ping policy accepts the sidecar's keepalives
-    (alone: test_faults). The stream is silent for 75 s, another request served at 30 s."""
+    """The worker's readiness counts prefill as progress: no output for 20 s once took a busy worker
+    out of service, the sidecar then stopped the polls whose answers kept grpc's ping strikes at
+    zero, and its streams died at ~60 s. Here the stream is silent for 75 s, another request served
+    at 30 s. The polls hide the worker's ping policy from this test; test_faults checks it alone."""
     worker = worker_process(*SYNTHETIC, "--set", "engine.args.prefill_tokens_per_s=1")
     worker.wait_ready()
     front = sidecar([worker.socket_path])
