@@ -74,12 +74,13 @@ class StepModel:
         self.bandwidth, self.peak = bandwidth, peak
 
     def decode(self, batch: int, context: float) -> dict:
-        read = 2 * (self.layer_weights + self.lm_head) + batch * context * self.kv_bytes_per_token
-        flops = 2 * batch * (self.layer_weights + self.lm_head) + batch * context * self.attention_flops_per_context
-        bound = max(read / self.bandwidth, flops / self.peak)
         weight_bytes = 2 * (self.layer_weights + self.lm_head)
+        kv_bytes = batch * context * self.kv_bytes_per_token
         products = 2 * batch * (self.layer_weights + self.lm_head)  # the matmuls' FLOPs
-        serial = max(weight_bytes / self.bandwidth, products / self.peak) + (read - weight_bytes) / self.bandwidth
+        read = weight_bytes + kv_bytes
+        flops = products + batch * context * self.attention_flops_per_context
+        bound = max(read / self.bandwidth, flops / self.peak)
+        serial = max(weight_bytes / self.bandwidth, products / self.peak) + kv_bytes / self.bandwidth
         return {"bytes": read, "flops": flops, "bound_ms": bound * 1000, "serial_ms": serial * 1000,
                 "bound_by": "bytes" if read / self.bandwidth >= flops / self.peak else "flops"}
 
