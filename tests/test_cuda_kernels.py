@@ -27,6 +27,30 @@ def test_triton_decode_matches_the_gather_path(dtype):
         torch.testing.assert_close(_decode_triton(q, k, v, tables, lens, block_size), expected, atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton decode kernel runs on CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_decode_launch_for_long_contexts_matches_the_gather_path(dtype):
+    """A step with a context past attention.LONG_CONTEXT: 6 sequences split their contexts in up to 16
+    parts, 5,000 tokens in 16 (combined 8 at a time: attention.COMBINE_PARTS), 2,100 in 11, short
+    ones whole, a padding row; 48 sequences in up to 2; twice, so every count of arrivals went back to 0."""
+    from worker.engines.native import attention
+
+    torch.manual_seed(1)
+    block_size, blocks, kv_heads, dim, heads = 16, 1024, 3, 64, 9
+    k = torch.randn(blocks * block_size, kv_heads, dim, device="cuda", dtype=dtype)
+    v = torch.randn_like(k)
+    lens = torch.tensor([5000, 1, 2100, 0, 300, 4097], dtype=torch.int32, device="cuda")
+    tables = torch.stack([torch.randperm(blocks, device="cuda")[:320] for _ in range(6)]).to(torch.int32)
+    q = torch.randn(6, heads, dim, device="cuda", dtype=dtype)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    assert attention.split_parts(6, kv_heads, True) == 16 and attention.split_parts(48, kv_heads, True) == 2
+    for copies in (1, 1, 8):
+        q, tables, lens = (x.repeat(copies, *[1] * (x.dim() - 1)) for x in (q[:6], tables[:6], lens[:6]))
+        expected = attention.gather_attention(q, k, v, tables, lens, block_size)
+        torch.testing.assert_close(attention._decode_triton(q, k, v, tables, lens, block_size, long=True), expected,
+                                   atol=tolerance, rtol=tolerance)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton paged prefill kernel runs on CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_paged_prefill_matches_the_sdpa_path(dtype):

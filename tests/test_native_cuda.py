@@ -126,6 +126,50 @@ async def test_rows_that_need_their_token_on_the_host_are_sampled_after_it_is_re
     assert len(late["logprobs"][1]) == 24
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the decode graphs run on CUDA")
+async def test_steps_past_a_long_context_run_the_graphs_that_split_it_more(tiny_llama, monkeypatch):
+    """Decode steps whose longest context is past attention.LONG_CONTEXT run the graphs captured with
+    the long launch of the attention kernel (graphs.DecodeGraphs.key): greedy and seeded tokens of a
+    long prompt, alone and beside short ones, are those of the eager engine, the short ones' steps
+    alone run short graphs, and every block comes back."""
+    from worker.engines.native import attention, graphs
+
+    prompts = [[2 + (5 * j) % 500 for j in range(attention.LONG_CONTEXT + 40)]] + [[3 + i, 4, 5] for i in range(3)]
+    keys, key = [], graphs.DecodeGraphs.key
+
+    def spy(self, n, width, distinct):
+        keys.append(key(self, n, width, distinct))
+        return keys[-1]
+
+    monkeypatch.setattr(graphs.DecodeGraphs, "key", spy)
+
+    async def tokens(eager: bool, sampling: dict) -> list[list[int]]:
+        config = load_config(None, {"HOME": "/tmp"}, {
+            "engine.name": "native", "engine.model": str(tiny_llama), "engine.dtype": "float32", "engine.device": "cuda",
+            "engine.max_model_len": "4096", "engine.args.enforce_eager": str(eager).lower()})
+        engine = NativeEngine(config)
+        await engine.load_model()
+
+        async def one(index: int) -> list[int]:
+            request = GenerationRequest(request_id=f"l{index}", prompt_token_ids=prompts[index],
+                                        sampling=SamplingParams(max_tokens=24, ignore_eos=True, **sampling))
+            return [t async for out in engine.stream_predict(request) for t in out.token_ids]
+
+        try:
+            out = [await one(0), *await asyncio.gather(*(one(i) for i in range(4))),
+                   *await asyncio.gather(*(one(i) for i in range(1, 4)))]
+            assert engine.num_unfinished() == 0 and engine.blocks.num_free == engine.blocks.num_blocks
+            return out
+        finally:
+            await engine.unload_model()
+
+    for sampling in ({}, {"temperature": 0.8, "top_k": 50, "seed": 5}):
+        keys.clear()
+        assert await tokens(False, sampling) == await tokens(True, sampling)
+        assert any(long for _, _, long in keys), "a step ran a long graph"
+        assert any(not long for _, _, long in keys), "the short prompts' steps ran short ones"
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="speculation's CUDA path: verify rows in the graphs")
 @pytest.mark.parametrize("eager", [False, True])
 async def test_speculation_gives_the_same_tokens_on_cuda(tiny_llama, eager):
@@ -205,7 +249,7 @@ async def test_steps_of_many_decodes_rotate_and_write_inside_attention_with_the_
     seen, run = [], graphs.DecodeGraphs.run
 
     def spy(self, n, width, input_ids=None, distinct=False):  # whether a step ran a graph of distinct rows
-        seen.append(distinct and (next(s for s in self.sizes if s >= n), True) in self.graphs)
+        seen.append(distinct and (next(s for s in self.sizes if s >= n), True, False) in self.graphs)
         return run(self, n, width, input_ids, distinct)
 
     async def tokens(engine: NativeEngine, **sampling) -> list[list[int]]:

@@ -1,4 +1,6 @@
-"""CUDA graphs of the decode step, one per padded batch size.
+"""CUDA graphs of the decode step, one per padded batch size (and, at the sizes whose attention splits
+a long context in more parts than a short one, another for steps with a context past
+attention.LONG_CONTEXT).
 
 A decode step launches a few hundred small kernels; replaying them as one graph removes the CPU
 launch cost that otherwise dominates at small batches. Every graph reads the same static buffers
@@ -14,6 +16,7 @@ import numpy as np
 import torch
 
 from worker.engines.native import blas
+from worker.engines.native.attention import LONG_CONTEXT, split_parts
 from worker.engines.native.batch import Batch
 from worker.engines.native.model import LlamaModel
 from worker.engines.native.sequence import Sequence, logit_rows, pick
@@ -81,6 +84,7 @@ class DecodeGraphs:
         device = k_cache.device
         self.sizes = graph_sizes(max_batch)
         self.scratch_slot = scratch_slot
+        self.block_size = block_size
         largest = self.sizes[-1]
         # Rows: token ids, positions, cache slots, context lengths; then the block tables. Their
         # host side is pinned and laid out the same, so that most steps copy in one span.
@@ -90,28 +94,33 @@ class DecodeGraphs:
         self.host = HostInputs(largest, max_blocks, pin=True)
         self.copied = torch.cuda.Event()
         self.every_row = torch.arange(largest, device=device)  # every row is a last token
-        # Keyed (size, distinct): distinct graphs run steps whose rows are each a sequence of its own
-        # (decode()), with each row's rotary embedding and cache write inside its attention kernel
-        # (Batch.distinct); the others run rows of one sequence side by side (rows(), checks()).
-        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
-        self.logits: dict[tuple[int, bool], torch.Tensor] = {}
+        # Keyed (size, distinct, long): distinct graphs run steps whose rows are each a sequence of its
+        # own (decode()), with each row's rotary embedding and cache write inside its attention kernel
+        # (Batch.distinct); the others run rows of one sequence side by side (rows(), checks()). Long
+        # ones, steps with a context past attention.LONG_CONTEXT, where their attention splits
+        # contexts in more parts than a short step's (Batch.long_contexts).
+        self.graphs: dict[tuple[int, bool, bool], torch.cuda.CUDAGraph] = {}
+        self.logits: dict[tuple[int, bool, bool], torch.Tensor] = {}
         pool = None
         side = torch.cuda.Stream(device)
+        kv_heads = model.config.num_kv_heads
         for size in reversed(self.sizes):  # largest first, so the smaller ones fit in its memory pool
-            inside = triton is not None and rotates_inside(size, model.config.num_kv_heads, model.config.head_dim)
-            for distinct in (False, True) if inside else (False,):
+            inside = triton is not None and rotates_inside(size, kv_heads, model.config.head_dim)
+            longer = triton is not None and split_parts(size, kv_heads, True) != split_parts(size, kv_heads, False)
+            for distinct, long in [(distinct, long) for distinct in ((False, True) if inside else (False,))
+                                   for long in ((False, True) if longer else (False,))]:
                 batch = Batch(self.input_ids[:size], self.positions[:size], self.slots[:size], [], [], [],
                               self.every_row[:size], block_size, prefills=[], decode_tables=self.tables[:size],
-                              decode_lens=self.lens[:size], distinct=distinct)
+                              decode_lens=self.lens[:size], distinct=distinct, long_contexts=long)
                 side.wait_stream(torch.cuda.current_stream(device))
                 with torch.cuda.stream(side), blas.tuning():  # compiles the kernels, settles the allocator
                     model(batch, k_cache, v_cache)  # and picks cuBLAS's front end for each product
                 torch.cuda.current_stream(device).wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    self.logits[size, distinct] = model(batch, k_cache, v_cache)
+                    self.logits[size, distinct, long] = model(batch, k_cache, v_cache)
                 pool = graph.pool()
-                self.graphs[size, distinct] = graph
+                self.graphs[size, distinct, long] = graph
         torch.cuda.synchronize(device)
 
     @property
@@ -159,13 +168,20 @@ class DecodeGraphs:
             at += len(draft)
         return logits if m == 1 else pick(logits, order)
 
+    def key(self, n: int, width: int, distinct: bool) -> tuple[int, bool, bool]:
+        """The graph a step of n rows whose block tables are at most `width` long runs: (size,
+        distinct, long), as `run` takes them."""
+        size = next(s for s in self.sizes if s >= n)
+        distinct = distinct and (size, True, False) in self.graphs
+        return size, distinct, width * self.block_size > LONG_CONTEXT and (size, distinct, True) in self.graphs
+
     def run(self, n: int, width: int, input_ids: torch.Tensor | None = None, distinct: bool = False) -> torch.Tensor:
         """Logits (n, vocab) of the n one-token decodes in rows [0, n) of the host inputs, whose block
         tables are at most `width` long; valid until the next run. `input_ids` (m,) on the device
         replace the host inputs' token ids of the first m rows. `distinct`: every row is a sequence
         of its own, through the graphs made for that where there are some."""
-        size = next(s for s in self.sizes if s >= n)
-        distinct = distinct and (size, True) in self.graphs
+        key = self.key(n, width, distinct)
+        size = key[0]
         packed = self.host.packed.numpy()
         packed[:, n:size] = 0  # padding rows: length 0, their K/V written to the scratch slot (or nowhere)
         packed[2, n:size] = self.scratch_slot
@@ -188,8 +204,8 @@ class DecodeGraphs:
             self.copied.record()
             if input_ids is not None:
                 self.input_ids[:len(input_ids)].copy_(input_ids)
-        self.graphs[size, distinct].replay()
-        return self.logits[size, distinct][:n]
+        self.graphs[key].replay()
+        return self.logits[key][:n]
 
 
 class HostInputs:

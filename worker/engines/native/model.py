@@ -169,20 +169,21 @@ class Attention(nn.Module):
         k, v = (x.reshape(tokens, self.num_kv_heads, self.head_dim) for x in (k, v))
         if batch.distinct:  # each row its own sequence's token (CUDA graphs): rotated and written inside attention
             out = rope_store_and_decode(q, k, v, cos, sin, k_cache, v_cache, batch.slots, batch.decode_tables,
-                                        batch.decode_lens, batch.block_size)
+                                        batch.decode_lens, batch.block_size, batch.long_contexts)
             return plus(self.o_proj, out.reshape(tokens, -1), residual, next_norm)
         if not rotated:  # (else a decode, its rotation and cache write done by rope_inside's kernel)
             # k_cache, v_cache: (num_blocks * block_size, kv_heads, head_dim), written slot by slot.
             q, k = rope_and_store(q, k, v, cos, sin, k_cache, v_cache, batch.slots, self.ops.rotate)
         if not batch.prefills and not batch.fresh:  # every token a decode: the common step, and the CUDA graph's
             out = decode_attention(q, k_cache, v_cache, batch.decode_tables, batch.decode_lens, batch.block_size,
-                                   batch.decode_gather)
+                                   batch.decode_gather, batch.long_contexts)
         else:
             out = prefill_attention(q, k, v, k_cache, v_cache, batch.fresh, batch.prefills, batch.paged_prefills,
                                     batch.block_size)
             if batch.decode_tables is not None:
                 out[batch.decode_index] = decode_attention(q[batch.decode_index], k_cache, v_cache, batch.decode_tables,
-                                                           batch.decode_lens, batch.block_size, batch.decode_gather)
+                                                           batch.decode_lens, batch.block_size, batch.decode_gather,
+                                                           batch.long_contexts)
         return plus(self.o_proj, out.reshape(tokens, -1), residual, next_norm)
 
 
