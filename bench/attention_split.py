@@ -1,20 +1,30 @@
-"""The paged decode-attention kernel alone, its contexts split in parts and not, for
-bench/native_gpu.py: where splitting a long context across programs pays (attention.MAX_SPLITS)."""
+"""Long contexts for bench/native_gpu.py: the paged decode-attention kernel alone, its contexts split
+in parts and not (where splitting a long context across programs pays: attention.split_parts), and
+the engine's decode step at long contexts against the step's bound."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
+
+LONG_CONTEXTS = ((1, 4096), (1, 16384), (1, 32768), (4, 16384), (16, 8192))
+"""(batch, context) of the decode steps measured at long contexts: one long chat or RAG prompt, a few,
+and some at a middling length (the short ones are native_gpu.py's own runs)."""
 
 
 def decode_attention_split() -> list[dict]:
-    """The paged decode-attention kernel with its contexts split in parts and not, Llama-1B's heads,
-    bf16, microseconds a call (20 calls in a CUDA graph, replayed 10 times)."""
+    """The paged decode-attention kernel with its contexts split in parts (as a step of that longest
+    context launches it: attention.LONG_CONTEXT) and not, Llama-1B's heads, bf16, microseconds a
+    call (20 calls in a CUDA graph, replayed 10 times, on one cache: up to 33 MB, within L2)."""
     from worker.engines.native import attention
 
     block, kv_heads, heads, dim = 16, 8, 32, 64
-    rows, default = [], attention.MAX_SPLITS
+    rows, default = [], (attention.MAX_SPLITS, attention.SHORT_SPLITS)
     try:
         for context in (256, 1024, 4096, 16384):
+            long = context > attention.LONG_CONTEXT
             for batch in (1, 4):
                 blocks = batch * context // block
                 k = torch.randn(blocks * block, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
@@ -22,15 +32,15 @@ def decode_attention_split() -> list[dict]:
                 tables = torch.arange(blocks, device="cuda", dtype=torch.int32).view(batch, -1)
                 lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
                 q = torch.randn(batch, heads, dim, device="cuda", dtype=torch.bfloat16)
-                row = {"context": context, "batch": batch}
-                for name, splits in (("unsplit_us", 1), ("split_us", default)):
-                    attention.MAX_SPLITS = splits
+                row = {"context": context, "batch": batch, "parts": attention.split_parts(batch, kv_heads, long)}
+                for name, splits in (("unsplit_us", (1, 1)), ("split_us", default)):
+                    attention.MAX_SPLITS, attention.SHORT_SPLITS = splits
                     for _ in range(3):
-                        attention.decode_attention(q, k, v, tables, lens, block)
+                        attention.decode_attention(q, k, v, tables, lens, block, long=long)
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph):
                         for _ in range(20):
-                            attention.decode_attention(q, k, v, tables, lens, block)
+                            attention.decode_attention(q, k, v, tables, lens, block, long=long)
                     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     start.record()
                     for _ in range(10):
@@ -40,7 +50,39 @@ def decode_attention_split() -> list[dict]:
                     row[name] = start.elapsed_time(end) / 200 * 1000
                 rows.append(row)
                 print(f"  decode attention, context {context:5d}, batch {batch}: {row['unsplit_us']:6.1f} us unsplit, "
-                      f"{row['split_us']:6.1f} us split in up to {default} parts", flush=True)
+                      f"{row['split_us']:6.1f} us split in up to {row['parts']} parts", flush=True)
     finally:
-        attention.MAX_SPLITS = default
+        attention.MAX_SPLITS, attention.SHORT_SPLITS = default
+    return rows
+
+
+async def long_context_steps(folder: Path, shape: dict, model) -> list[dict]:
+    """The decode step of `batch` sequences at `context` tokens (LONG_CONTEXTS) as the device runs it
+    (gpu_roofline.device_floor: the engine's CUDA graph back to back), ms a step, against the step's
+    bound (gpu_roofline.StepModel); an engine of its own, whose contexts reach the longest."""
+    from bench.gpu_roofline import device_floor
+    from worker.config_loader import load_config
+    from worker.engines.native.engine import NativeEngine
+
+    longest = max(context for _, context in LONG_CONTEXTS)
+    blocks = max(batch * context for batch, context in LONG_CONTEXTS) // 16 + 64
+    config = load_config(None, {"HOME": "/tmp"}, {
+        "engine.name": "native", "engine.model": str(folder), "engine.dtype": "bfloat16",
+        "engine.max_model_len": str(longest + 256),
+        "engine.args": json.dumps({"max_num_seqs": max(batch for batch, _ in LONG_CONTEXTS), "speculation": "requested",
+                                   "max_kv_blocks": blocks})})
+    engine = NativeEngine(config)
+    await engine.load_model()
+    rows = []
+    try:
+        for batch, context in LONG_CONTEXTS:
+            floor = device_floor(engine, batch, context)
+            bound = model.decode(batch, context)
+            rows.append({"batch": batch, "context": context, "step_ms": floor, "bound_ms": bound["bound_ms"],
+                         "of_bound": bound["bound_ms"] / floor, "bound_by": bound["bound_by"]})
+            print(f"  {shape['num_hidden_layers']}-layer shape, batch {batch} at {context} tokens: {floor:.3f} ms a step "
+                  f"on the device, {rows[-1]['of_bound']:.0%} of its {bound['bound_by']} bound {bound['bound_ms']:.3f} ms",
+                  flush=True)
+    finally:
+        await engine.unload_model()
     return rows

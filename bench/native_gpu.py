@@ -12,7 +12,8 @@ For each model shape (random weights, default RoPE; a word-level tokenizer of th
    fraction of the matmul rate; the decode steps under the torch profiler (device time by kernel,
    the host's gaps) and the step's device floor (its graph back to back, no host between), the
    engine in this process; the decode-attention kernel alone, split and not, by context length
-   (bench/attention_split.py);
+   (bench/attention_split.py), and the decode step at long contexts (1-16 sequences of 4k-32k tokens:
+   the device floor against the step's bound);
 4. prefix sharing (first shape): 64 requests after one 1,024-token system prompt, cache on and off.
 
 Writes bench/results/native_gpu.json and .png (--name: another name, e.g. native_gpu_h200).
@@ -39,7 +40,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.attention_split import decode_attention_split  # noqa: E402
+from bench.attention_split import decode_attention_split, long_context_steps  # noqa: E402
 from bench.gpu_roofline import (DecodeProfile, StepModel, copy_bandwidth, device_floor, floor_gaps,  # noqa: E402
                                 matmul_peak, synchronize)
 from bench.structured import machine  # noqa: E402
@@ -254,6 +255,8 @@ async def throughput(name: str, shape: dict, batches: list[int], work: Path, ban
     finally:
         await engine.unload_model()
     await in_process(name, folder, shape["vocab_size"], row, model)
+    if DEVICE == "cuda":
+        row["long_context"] = await long_context_steps(folder, shape, model)
     if prefix:
         row["prefix_sharing"] = await prefix_sharing(folder, shape["vocab_size"])
     return row
@@ -306,7 +309,8 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = result["shapes"]
-    fig, axes = plt.subplots(1, len(rows), figsize=(6 * len(rows), 4.5), squeeze=False)
+    long = any("long_context" in row for row in rows)
+    fig, axes = plt.subplots(1 + long, len(rows), figsize=(6 * len(rows), 4.5 * (1 + long)), squeeze=False)
     for ax, row in zip(axes[0], rows):
         batches = list(row["native"])
         x = range(len(batches))
@@ -325,6 +329,17 @@ def plot(result: dict, path: Path) -> None:
         ax.set_xticks(list(x), [f"batch {b}" for b in batches])
         ax.set_ylabel("tokens/s")
         ax.set_title(f"{row['shape']} shape, bf16, {PROMPT} prompt / {NEW} new")
+        ax.legend()
+    for ax, row in zip(axes[1] if long else (), rows):
+        cases = row.get("long_context", [])
+        x = range(len(cases))
+        ax.bar([i - 0.2 for i in x], [c["bound_ms"] for c in cases], 0.4, color="0.7", label="step-model bound")
+        ax.bar([i + 0.2 for i in x], [c["step_ms"] for c in cases], 0.4, label="native, the device alone")
+        for i, c in enumerate(cases):
+            ax.annotate(f"{c['of_bound']:.0%}", (i + 0.2, c["step_ms"]), ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(list(x), [f"{c['batch']} x {c['context'] // 1024}k" for c in cases])
+        ax.set_ylabel("ms a decode step")
+        ax.set_title(f"{row['shape']}: decode at long contexts")
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
