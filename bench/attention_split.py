@@ -1,5 +1,5 @@
 """Long contexts for bench/native_gpu.py: the paged decode-attention kernel alone, its contexts split
-in parts and not (where splitting a long context across programs pays: attention.split_parts), and
+in parts and not (where splitting a long context across programs pays: paged_decode.split_parts), and
 the engine's decode step at long contexts against the step's bound."""
 
 from __future__ import annotations
@@ -16,15 +16,15 @@ and some at a middling length (the short ones are native_gpu.py's own runs)."""
 
 def decode_attention_split() -> list[dict]:
     """The paged decode-attention kernel with its contexts split in parts (as a step of that longest
-    context launches it: attention.LONG_CONTEXT) and not, Llama-1B's heads, bf16, microseconds a
+    context launches it: paged_decode.LONG_CONTEXT) and not, Llama-1B's heads, bf16, microseconds a
     call (20 calls in a CUDA graph, replayed 10 times, on one cache: up to 33 MB, within L2)."""
-    from worker.engines.native import attention
+    from worker.engines.native import attention, paged_decode
 
     block, kv_heads, heads, dim = 16, 8, 32, 64
-    rows, default = [], (attention.MAX_SPLITS, attention.SHORT_SPLITS)
+    rows, default = [], (paged_decode.MAX_SPLITS, paged_decode.SHORT_SPLITS)
     try:
         for context in (256, 1024, 4096, 16384):
-            long = context > attention.LONG_CONTEXT
+            long = context > paged_decode.LONG_CONTEXT
             for batch in (1, 4):
                 blocks = batch * context // block
                 k = torch.randn(blocks * block, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
@@ -32,9 +32,9 @@ def decode_attention_split() -> list[dict]:
                 tables = torch.arange(blocks, device="cuda", dtype=torch.int32).view(batch, -1)
                 lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
                 q = torch.randn(batch, heads, dim, device="cuda", dtype=torch.bfloat16)
-                row = {"context": context, "batch": batch, "parts": attention.split_parts(batch, kv_heads, long)}
+                row = {"context": context, "batch": batch, "parts": paged_decode.split_parts(batch, kv_heads, long)}
                 for name, splits in (("unsplit_us", (1, 1)), ("split_us", default)):
-                    attention.MAX_SPLITS, attention.SHORT_SPLITS = splits
+                    paged_decode.MAX_SPLITS, paged_decode.SHORT_SPLITS = splits
                     for _ in range(3):
                         attention.decode_attention(q, k, v, tables, lens, block, long=long)
                     graph = torch.cuda.CUDAGraph()
@@ -52,7 +52,7 @@ def decode_attention_split() -> list[dict]:
                 print(f"  decode attention, context {context:5d}, batch {batch}: {row['unsplit_us']:6.1f} us unsplit, "
                       f"{row['split_us']:6.1f} us split in up to {row['parts']} parts", flush=True)
     finally:
-        attention.MAX_SPLITS, attention.SHORT_SPLITS = default
+        paged_decode.MAX_SPLITS, paged_decode.SHORT_SPLITS = default
     return rows
 
 

@@ -9,7 +9,8 @@ import torch
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton decode kernel runs on CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_decode_matches_the_gather_path(dtype):
-    from worker.engines.native.attention import _decode_triton, gather_attention
+    from worker.engines.native.attention import gather_attention
+    from worker.engines.native.paged_decode import paged_decode
 
     torch.manual_seed(0)
     block_size, blocks, kv_heads, dim, heads = 16, 128, 3, 64, 9  # SmolLM2's grouping: 3 query heads per KV head
@@ -20,20 +21,20 @@ def test_triton_decode_matches_the_gather_path(dtype):
     q = torch.randn(6, heads, dim, device="cuda", dtype=dtype)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     # 6 sequences split their contexts in parts (twice: the parts' counts reset); 48 do not, in
-    # 128-token tiles (attention.WIDE_TILE_LANES); 192, in 64-token tiles.
+    # 128-token tiles (paged_decode.WIDE_TILE_LANES); 192, in 64-token tiles.
     for copies in (1, 1, 8, 32):
         q, tables, lens = (x.repeat(copies, *[1] * (x.dim() - 1)) for x in (q[:6], tables[:6], lens[:6]))
         expected = gather_attention(q, k, v, tables, lens, block_size)
-        torch.testing.assert_close(_decode_triton(q, k, v, tables, lens, block_size), expected, atol=tolerance, rtol=tolerance)
+        torch.testing.assert_close(paged_decode(q, k, v, tables, lens, block_size), expected, atol=tolerance, rtol=tolerance)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton decode kernel runs on CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_decode_launch_for_long_contexts_matches_the_gather_path(dtype):
-    """A step with a context past attention.LONG_CONTEXT: 6 sequences split their contexts in up to 16
-    parts, 5,000 tokens in 16 (combined 8 at a time: attention.COMBINE_PARTS), 2,100 in 11, short
+    """A step with a context past paged_decode.LONG_CONTEXT: 6 sequences split their contexts in up to
+    16 parts, 5,000 tokens in 16 (combined 8 at a time: paged_decode.COMBINE_PARTS), 2,100 in 11, short
     ones whole, a padding row; 48 sequences in up to 2; twice, so every count of arrivals went back to 0."""
-    from worker.engines.native import attention
+    from worker.engines.native import attention, paged_decode
 
     torch.manual_seed(1)
     block_size, blocks, kv_heads, dim, heads = 16, 1024, 3, 64, 9
@@ -43,11 +44,11 @@ def test_the_decode_launch_for_long_contexts_matches_the_gather_path(dtype):
     tables = torch.stack([torch.randperm(blocks, device="cuda")[:320] for _ in range(6)]).to(torch.int32)
     q = torch.randn(6, heads, dim, device="cuda", dtype=dtype)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-    assert attention.split_parts(6, kv_heads, True) == 16 and attention.split_parts(48, kv_heads, True) == 2
+    assert paged_decode.split_parts(6, kv_heads, True) == 16 and paged_decode.split_parts(48, kv_heads, True) == 2
     for copies in (1, 1, 8):
         q, tables, lens = (x.repeat(copies, *[1] * (x.dim() - 1)) for x in (q[:6], tables[:6], lens[:6]))
         expected = attention.gather_attention(q, k, v, tables, lens, block_size)
-        torch.testing.assert_close(attention._decode_triton(q, k, v, tables, lens, block_size, long=True), expected,
+        torch.testing.assert_close(paged_decode.paged_decode(q, k, v, tables, lens, block_size, long=True), expected,
                                    atol=tolerance, rtol=tolerance)
 
 

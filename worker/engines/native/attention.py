@@ -6,9 +6,8 @@ Caches are (slots, kv_heads, head_dim) per layer, slot = block * block_size + of
   context gathered from the cache (on CPUs the cached part and the chunk's own part apart, merged;
   on CUDA all of them in one Triton kernel over the block tables, paged_prefill.py).
 - `decode_attention`: one new token per sequence, every sequence at once; on CUDA a Triton kernel
-  that walks the block table (one program per sequence and KV head, all the query heads of that KV
-  head together, online softmax; at small batches one per part of each context, the parts combined
-  by the last part to finish), which also runs inside a CUDA graph; elsewhere a batched gather of blocks.
+  that walks the block tables (paged_decode.py), which also runs inside a CUDA graph; elsewhere a
+  batched gather of blocks.
   On CPUs the C++ kernel of kernels.py once built, which reads the blocks in place. With each row
   a sequence of its own, the same kernel can take the rotary embedding and cache write too
   (`rope_store_and_decode`, rotating as rotary.py does).
@@ -23,66 +22,14 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from worker.engines.native import kernels, pdl
+from worker.engines.native import kernels
+from worker.engines.native.paged_decode import paged_decode, triton
 from worker.engines.native.paged_prefill import paged_prefill
 
-try:
-    import triton
-    import triton.language as tl
-
-    from worker.engines.native.rotary import rotate_half
-except ImportError:  # CPU installs have no Triton; the torch paths below serve them
-    triton = None
-
-DECODE_STAGES = 2
-"""The decode kernel's software pipeline: with PDL on an H100, 16 layers of the Llama-1B shape at batch 1
-took 3.0 / 6.1 / 8.8 us of attention a layer at contexts of 128 / 320 / 1024 tokens against 3.8 /
-7.0 / 9.5 with 3 stages (128-token tiles: 3.4 / 5.8 / 8.8). Alone (a graph of 20 calls, no PDL),
-256-token tiles and 3 stages looked better at batch 1 (256 / 384 tokens: 4.5 / 6.3 us against
-5.9 / 8.1), but in the engine's graphs the step at batch 1 went from 1.072 to 1.081 ms and at 16
-from 1.375 to 1.361 (two rounds each): not kept."""
 SDPA_ON_CUDA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 """Not cuDNN's, which torch picks first on an H100: it builds a plan for every sequence length it
 has not seen, ~40 ms each (a 200-token prompt's first token took 60 ms against 7 when its length
 had come before); flash takes any length as it comes (0.05-0.13 ms, first length or not)."""
-SPLIT_PROGRAMS = 256
-"""A decode launch of fewer (sequence, KV head) programs than this splits each context in about
-SPLIT_PROGRAMS / (batch x KV heads) parts (a power of two): few sequences, read by enough programs."""
-LONG_CONTEXT = 2048
-"""A decode step whose longest context is past this many tokens splits contexts more: in up to
-MAX_SPLITS parts, where there are fewer than SPLIT_PROGRAMS programs; a shorter one in up to
-SHORT_SPLITS, where there are fewer than SHORT_PROGRAMS. A launch's parts that a context leaves
-without tiles still start and wait, which costs short contexts what long ones gain from more parts,
-so the CUDA graphs hold both launches where they differ (graphs.py). H200, the kernel alone, us a
-call (KV beyond L2, each call reading its own), the short launch against the long one: 256 tokens,
-batch 1 / 16, heads of 64 5.3 / 6.9 against 5.5 / 7.3, heads of 128 6.8 / 9.6 against 6.7 / 10.6;
-2,048 tokens, batch 1, 10.8 against 12.1 and 12.8 against 16.1; 4,096 tokens, batch 1, the short
-launch's split counts with the combine before took 18.8 and 23.2, the long launch 13.6 and 17.5."""
-MAX_SPLITS = 64
-SHORT_SPLITS = 8
-SHORT_PROGRAMS = 128
-PART_TILES = 2
-"""Each part of a split context walks at least this many tiles, and about sqrt(tiles x PART_SCALE):
-more parts walk fewer tiles each and leave more to combine. H200, the kernel alone, us a call, the
-part rule without the square root (PART_SCALE 0) / with it (0.25) / 0.5: heads of 64 at batch 1, 4k
-tokens, 17.1 / 13.6 / 17.0, 16k 28.9 / 29.0 / 32.6; heads of 128 at 4k 23.2 / 17.5 / 22.6, 16k 40.5 /
-39.4 / 43.3; batch 4 at 1k (heads of 64) 10.4 / 10.4 / 11.5."""
-PART_SCALE = 0.25
-WHOLE_TILES = 6
-"""Contexts of at most this many tiles are never split (on an H100 one program walked 4
-tiles in 6.2 us, and the parts of a split plus their combine took 9)."""
-COMBINE_PARTS = 8
-"""Parts the last one to finish loads at a time to combine them (COMBINE_PARTS x group x head_dim registers)."""
-WIDE_TILE_LANES = 1 << 15
-"""An unsplit decode whose programs hold at most this many head-dim lanes in all (batch x KV heads
-x head_dim) walks 128-token tiles, not 64: few programs a SM, each needs more bytes in flight. On
-an H200, 16 calls in a CUDA graph, 64 -> 128-token tiles, us a call at contexts of 256 / 512 / 1,024
-(random blocks): head_dim 64, batch 16 6.1 / 10.3 / 19.1 -> 5.4 / 8.5 / 14.7, 32 7.2 / 12.2 / 31.8
--> 6.8 / 10.5 / 25.1, 64 9.1 / 23.2 / 40.2 -> 8.6 / 20.6 / 35.9, but 128 20.0 / 35.6 / 66.3 -> 21.1
-/ 37.7 / 70.2; head_dim 128, batch 16 8.2 / 14.1 / 34.1 -> 7.4 / 12.6 / 27.6, 32 10.2 / 23.5 / 41.2
--> 9.6 / 21.7 / 36.7, but 64 20.9 / 36.2 / 66.6 -> 22.3 / 39.3 / 74.2."""
-
-
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, fresh: list[tuple[int, int, int, torch.Tensor | None]],
                       sequences: list[tuple[int, int, torch.Tensor | None, torch.Tensor | None]],
@@ -157,8 +104,8 @@ def rope_store_and_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos
     (sequence, KV head) that reads the new token's position rotates and writes it first. q (B, H, D),
     k and v (B, kv_heads, D) as the qkv projection leaves them (views of its rows, unrotated); cos,
     sin (B, 1, D). graphs.rotates_inside says where it pays."""
-    return _decode_triton(q, k_cache, v_cache, tables, lens, block_size, long,
-                          rope=(k, v, cos.reshape(len(q), -1), sin.reshape(len(q), -1), slots))
+    return paged_decode(q, k_cache, v_cache, tables, lens, block_size, long,
+                        rope=(k, v, cos.reshape(len(q), -1), sin.reshape(len(q), -1), slots))
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
@@ -167,9 +114,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """q (B, H, D), one token per sequence; tables (B, max_blocks) int32; lens (B,) context
     lengths, int32 or int64 (0 for a padding row, whose output is 0). Returns (B, H, D).
     `gather`: decode_gather(tables, lens, block_size), made once for a step's layers (no padding rows).
-    `long`: some context is past LONG_CONTEXT tokens (on CUDA, split in more parts)."""
+    `long`: some context is past paged_decode.LONG_CONTEXT tokens (on CUDA, split in more parts)."""
     if q.is_cuda and triton is not None:
-        return _decode_triton(q, k_cache, v_cache, tables, lens, block_size, long)
+        return paged_decode(q, k_cache, v_cache, tables, lens, block_size, long)
     if q.device.type == "cpu" and kernels.loaded():
         return kernels.paged_decode(q, k_cache, v_cache, tables, lens, block_size)
     if gather is not None:
@@ -204,207 +151,3 @@ def _decode_gather(q, k_cache, v_cache, block_size, blocks, mask):
     if q.device.type == "cpu" and q.dtype != torch.float32:  # torch's CPU SDPA is 5x slower in bf16 than in fp32
         queries, k, v = queries.float(), k.float(), v.float()
     return F.scaled_dot_product_attention(queries, k, v, attn_mask=mask, enable_gqa=True)[:, :, 0, :].to(q.dtype)
-
-
-_ARRIVALS: dict[torch.device, torch.Tensor] = {}
-
-
-def _arrivals(device: torch.device) -> torch.Tensor:
-    """Per (sequence, KV head) of a split decode, how many parts have finished; the last part
-    combines them and sets it back to 0. Kept for the process, so the CUDA graphs that read it
-    outlive no buffer of theirs; made by the eager warm-up run before any capture. Splits happen
-    only while batch * kv_heads < SPLIT_PROGRAMS."""
-    if device not in _ARRIVALS:
-        _ARRIVALS[device] = torch.zeros(SPLIT_PROGRAMS, dtype=torch.int32, device=device)
-    return _ARRIVALS[device]
-
-
-def split_parts(batch: int, kv_heads: int, long: bool) -> int:
-    """Parts a decode launch of `batch` sequences may split each context in (its grid's third axis);
-    `long`: its longest context is past LONG_CONTEXT tokens."""
-    programs = batch * kv_heads
-    most, below = (MAX_SPLITS, SPLIT_PROGRAMS) if long else (SHORT_SPLITS, SHORT_PROGRAMS)
-    return min(most, triton.next_power_of_2(-(-SPLIT_PROGRAMS // programs))) if programs < below else 1
-
-
-def _decode_triton(q, k_cache, v_cache, tables, lens, block_size, long=False, rope=None):
-    """rope: (k, v, cos, sin, slots) of the step's new tokens, each row its own sequence's
-    (rope_store_and_decode); q then unrotated."""
-    batch, heads, dim = q.shape
-    kv_heads = k_cache.shape[1]
-    group = heads // kv_heads
-    group_pad = max(16, triton.next_power_of_2(group))  # tl.dot's least rows
-    kept = triton.next_power_of_2(group)  # the rows a part of a split context keeps for the combine
-    out = torch.empty(batch, heads, dim, dtype=q.dtype, device=q.device)
-    new_k, new_v, cos, sin, slots = rope or (q, q, q, q, lens)
-    if rope is not None:
-        assert new_k.stride(1) == new_v.stride(1) == dim and new_k.stride(0) == new_v.stride(0) and cos.stride(-1) == 1
-    tile_blocks = max(1, 64 // block_size)
-    # Few sequences make few programs, each walking its whole context: split every long context in
-    # parts (flash-decoding), then combine them. Wide tiles where measured: the short launch's unsplit.
-    splits = split_parts(batch, kv_heads, long)
-    if batch * kv_heads >= SHORT_PROGRAMS and batch * kv_heads * dim <= WIDE_TILE_LANES:
-        tile_blocks *= 2
-    partial = [torch.empty(batch, kv_heads, splits, kept, *extra, device=q.device, dtype=torch.float32)
-               for extra in ((), (), (dim,))] if splits > 1 else [out] * 3
-    early = pdl.supported(q.device)
-    # KV heads first: a sequence's heads run side by side, reading each token's K/V row (all its
-    # heads) together. At batch 256 on an H100 that took 52.7 us a layer to 50.4 (256-token
-    # contexts), 191.8 to 186.5 (1,024); batch 16, 6.6 to 6.4.
-    _decode_kernel[(kv_heads, batch, splits)](
-        q, k_cache, v_cache, out, tables, lens, dim ** -0.5, PART_TILES, PART_SCALE, *partial,
-        _arrivals(q.device) if splits > 1 else lens,
-        new_k, new_v, cos, sin, slots, q.stride(0), q.stride(1), out.stride(0), k_cache.stride(0), k_cache.stride(1),
-        tables.stride(0), new_k.stride(0), cos.stride(0),
-        GROUP=group, GROUP_PAD=group_pad, KEPT=kept, HEAD_DIM=dim, BLOCK=block_size,
-        TILE=block_size * tile_blocks, IEEE=q.dtype == torch.float32, SPLITS=splits, WHOLE_TILES=WHOLE_TILES,
-        COMBINE=min(COMBINE_PARTS, splits), ROPE=rope is not None, PDL=early, num_warps=4, num_stages=DECODE_STAGES,
-        launch_pdl=early)
-    return out
-
-
-if triton is not None:
-
-    @triton.jit
-    def _whole(first, second, ROWS: tl.constexpr, DIM: tl.constexpr):
-        """rotate_half's two (ROWS, DIM / 2) halves side by side: (ROWS, DIM)."""
-        return tl.reshape(tl.permute(tl.join(first, second), (0, 2, 1)), (ROWS, DIM))
-
-    @triton.jit
-    def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, scale, part_tiles, part_scale, max_ptr,
-                       total_ptr, acc_ptr, arrivals_ptr, new_k_ptr, new_v_ptr, cos_ptr, sin_ptr, slots_ptr, stride_qt, stride_qh,
-                       stride_ot, stride_ks, stride_kh, stride_table, stride_nt, stride_cos,
-                       GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, KEPT: tl.constexpr, HEAD_DIM: tl.constexpr,
-                       BLOCK: tl.constexpr, TILE: tl.constexpr, IEEE: tl.constexpr, SPLITS: tl.constexpr,
-                       WHOLE_TILES: tl.constexpr, COMBINE: tl.constexpr,
-                       ROPE: tl.constexpr, PDL: tl.constexpr):
-        """One (sequence, KV head, part of the context). A context in more than one part: each part
-        writes its running max, sum and unnormalized output, shapes (B, kv_heads, SPLITS, KEPT[, D]),
-        and the last part to finish combines them: in one kernel, a context too short to split
-        costs no second launch. ROPE: q is unrotated, and the new token's k (unrotated) and v are
-        at new_k_ptr / new_v_ptr, row stride stride_nt, to be written at the row's slot."""
-        kv_head = tl.program_id(0)
-        seq = tl.program_id(1)
-        split = tl.program_id(2)
-        length = tl.load(lens_ptr + seq)
-        num_tiles = tl.cdiv(length, TILE)
-        if SPLITS == 1:
-            parts = 1
-            first_tile = 0
-            last_tile = num_tiles
-        else:
-            # A short context is not worth splitting (the parts' combine costs what ~5 tiles do): part
-            # 0 takes it whole. A longer one in parts of at least part_tiles tiles and about
-            # sqrt(tiles x part_scale) (more parts walk fewer tiles each, and make more to combine),
-            # up to SPLITS of them; the launch's other parts have nothing to do.
-            least = tl.maximum(part_tiles, tl.ceil(tl.sqrt(num_tiles.to(tl.float32) * part_scale)).to(tl.int32))
-            per_split = tl.maximum(tl.cdiv(num_tiles, SPLITS), least)
-            parts = tl.where(num_tiles <= WHOLE_TILES, 1, tl.cdiv(num_tiles, per_split))
-            first_tile = tl.where(split < parts, split * per_split, 0)
-            last_tile = tl.where(split < parts,
-                                 tl.where(parts == 1, num_tiles, tl.minimum(first_tile + per_split, num_tiles)), 0)
-        g = tl.arange(0, GROUP_PAD)
-        d = tl.arange(0, HEAD_DIM)
-        t = tl.arange(0, TILE)
-        # Before the wait: the lengths, the tables and the first tile's blocks are the step's inputs,
-        # which no kernel of the layer writes (pdl.py); the K/V in them may be this step's.
-        first_blocks = tl.load(tables_ptr + seq * stride_table + (first_tile * TILE + t) // BLOCK,
-                               mask=first_tile * TILE + t < length, other=0)
-        if ROPE:  # the step's angles and slots too
-            half = tl.arange(0, HEAD_DIM // 2)
-            angles = seq * stride_cos + half
-            cos1 = tl.load(cos_ptr + angles).to(tl.float32)[None, :]
-            cos2 = tl.load(cos_ptr + angles + HEAD_DIM // 2).to(tl.float32)[None, :]
-            sin1 = tl.load(sin_ptr + angles).to(tl.float32)[None, :]
-            sin2 = tl.load(sin_ptr + angles + HEAD_DIM // 2).to(tl.float32)[None, :]
-            slot = tl.load(slots_ptr + seq).to(tl.int64)
-        pdl.wait_for_previous(PDL)
-        heads = kv_head * GROUP + g
-        if ROPE:  # q and the new token's k rotated as rotary's kernel rotates them, rounded as it stores them
-            q1, q2 = rotate_half(q_ptr + seq * stride_qt, cos1, sin1, cos2, sin2, heads * stride_qh, half,
-                                  (g < GROUP)[:, None], HEAD_DIM // 2)
-            q = _whole(q1, q2, GROUP_PAD, HEAD_DIM).to(q_ptr.dtype.element_ty)
-            if (last_tile == num_tiles) & (last_tile > first_tile):  # the part that reads the new position writes it
-                one = tl.zeros((1,), tl.int32)
-                k1, k2 = rotate_half(new_k_ptr + seq * stride_nt + kv_head * HEAD_DIM, cos1, sin1, cos2, sin2, one,
-                                      half, one[:, None] == 0, HEAD_DIM // 2)
-                cached = slot * stride_ks + kv_head * stride_kh
-                tl.store(k_ptr + cached + half[None, :], k1.to(k_ptr.dtype.element_ty))
-                tl.store(k_ptr + cached + HEAD_DIM // 2 + half[None, :], k2.to(k_ptr.dtype.element_ty))
-                tl.store(v_ptr + cached + d, tl.load(new_v_ptr + seq * stride_nt + kv_head * HEAD_DIM + d))
-            tl.debug_barrier()  # the block's threads see those writes before they read its tiles
-        else:
-            q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=(g < GROUP)[:, None],
-                        other=0.0)
-        m = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
-        total = tl.zeros((GROUP_PAD,), tl.float32)
-        acc = tl.zeros((GROUP_PAD, HEAD_DIM), tl.float32)
-        for tile in range(first_tile, last_tile):
-            position = tile * TILE + t
-            valid = position < length
-            block = tl.load(tables_ptr + seq * stride_table + position // BLOCK, mask=valid & (tile > first_tile), other=0)
-            block = tl.where(tile > first_tile, block, first_blocks)
-            offsets = (block * BLOCK + position % BLOCK).to(tl.int64)[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
-            k = tl.load(k_ptr + offsets, mask=valid[:, None], other=0.0)
-            if IEEE:
-                scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                scores = tl.dot(q, tl.trans(k))
-            scores = tl.where(valid[None, :], scores * scale, float("-inf"))
-            m_new = tl.maximum(m, tl.max(scores, 1))
-            p = tl.exp(scores - m_new[:, None])
-            alpha = tl.exp(m - m_new)
-            total = total * alpha + tl.sum(p, 1)
-            v = tl.load(v_ptr + offsets, mask=valid[:, None], other=0.0)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m = m_new
-        if SPLITS == 1 or parts == 1:
-            if split == 0:
-                result = acc / tl.where(total > 0, total, 1.0)[:, None]
-                tl.store(out_ptr + seq * stride_ot + heads[:, None] * HEAD_DIM + d[None, :],
-                         result.to(out_ptr.dtype.element_ty), mask=(g < GROUP)[:, None])
-        elif split < parts:
-            part = ((seq * tl.num_programs(0) + kv_head) * SPLITS + split) * KEPT
-            tl.store(max_ptr + part + g, m, mask=g < KEPT)
-            tl.store(total_ptr + part + g, total, mask=g < KEPT)
-            tl.store(acc_ptr + (part + g[:, None]) * HEAD_DIM + d[None, :], acc, mask=(g < KEPT)[:, None])
-            arrival = arrivals_ptr + seq * tl.num_programs(0) + kv_head
-            tl.debug_barrier()  # every thread's stores before the release of the arrival
-            if tl.atomic_add(arrival, 1, sem="acq_rel") == parts - 1:  # the others' stores are visible now
-                tl.debug_barrier()
-                _combine(max_ptr, total_ptr, acc_ptr, out_ptr, seq, kv_head, tl.num_programs(0), parts, stride_ot,
-                         GROUP, KEPT, HEAD_DIM, SPLITS, COMBINE)
-                tl.atomic_xchg(arrival, 0)
-
-    @triton.jit
-    def _combine(max_ptr, total_ptr, acc_ptr, out_ptr, seq, kv_head, kv_heads, parts, stride_ot,
-                 GROUP: tl.constexpr, KEPT: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
-                 COMBINE: tl.constexpr):
-        """The `parts` parts of one (sequence, KV head) rescaled to their common max and summed,
-        COMBINE parts loaded at a time, past L1 (other SMs wrote them)."""
-        g = tl.arange(0, KEPT)
-        d = tl.arange(0, HEAD_DIM)
-        m_all = tl.full((KEPT,), float("-inf"), tl.float32)
-        total = tl.zeros((KEPT,), tl.float32)
-        acc = tl.zeros((KEPT, HEAD_DIM), tl.float32)
-        for first in range(0, parts, COMBINE):
-            p = first + tl.arange(0, COMBINE)
-            rows = ((seq * kv_heads + kv_head) * SPLITS + p)[:, None] * KEPT + g[None, :]  # (COMBINE, KEPT)
-            here = (p < parts)[:, None]
-            m = tl.load(max_ptr + rows, mask=here, other=float("-inf"), cache_modifier=".cg")
-            m_new = tl.maximum(m_all, tl.max(m, 0))
-            weight = tl.where(m > float("-inf"), tl.exp(m - m_new[None, :]), 0.0)  # a part not loaded has max -inf
-            carried = tl.where(m_all > float("-inf"), tl.exp(m_all - m_new), 0.0)  # the sums so far, rescaled
-            total = total * carried + tl.sum(
-                tl.load(total_ptr + rows, mask=here, other=0.0, cache_modifier=".cg") * weight, 0)
-            acc = acc * carried[:, None] + tl.sum(
-                tl.load(acc_ptr + rows[:, :, None] * HEAD_DIM + d[None, None, :], mask=here[:, :, None], other=0.0,
-                        cache_modifier=".cg") * weight[:, :, None], 0)
-            m_all = m_new
-        result = acc / tl.where(total > 0, total, 1.0)[:, None]
-        heads = kv_head * GROUP + g
-        tl.store(out_ptr + seq * stride_ot + heads[:, None] * HEAD_DIM + d[None, :],
-                 result.to(out_ptr.dtype.element_ty), mask=(g < GROUP)[:, None])

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 import torch
 
 from worker.engines.native import kernels, paged_prefill
-from worker.engines.native.attention import LONG_CONTEXT, decode_gather
+from worker.engines.native.attention import decode_gather
 from worker.engines.native.gemv import triton
+from worker.engines.native.paged_decode import LONG_CONTEXT
 from worker.engines.sampler import on_device
 
 
@@ -42,7 +43,7 @@ class Batch:
     """Every row a decode of a sequence of its own (a CUDA graph's, with Triton): attention rotates and
     writes each row's K/V itself (attention.rope_store_and_decode), no row reading another's."""
     long_contexts: bool = False
-    """Some decode's context is past attention.LONG_CONTEXT tokens: its attention splits contexts more."""
+    """Some decode's context is past paged_decode.LONG_CONTEXT tokens: its attention splits contexts more."""
 
     def prepare(self, head_dim: int) -> Batch:
         """Per-step index work, done once here rather than in every layer."""

@@ -1,6 +1,6 @@
 """CUDA graphs of the decode step, one per padded batch size (and, at the sizes whose attention splits
 a long context in more parts than a short one, another for steps with a context past
-attention.LONG_CONTEXT).
+paged_decode.LONG_CONTEXT).
 
 A decode step launches a few hundred small kernels; replaying them as one graph removes the CPU
 launch cost that otherwise dominates at small batches. Every graph reads the same static buffers
@@ -16,9 +16,9 @@ import numpy as np
 import torch
 
 from worker.engines.native import blas
-from worker.engines.native.attention import LONG_CONTEXT, split_parts
 from worker.engines.native.batch import Batch
 from worker.engines.native.model import LlamaModel
+from worker.engines.native.paged_decode import LONG_CONTEXT, split_parts
 from worker.engines.native.sequence import Sequence, logit_rows, pick
 
 try:
@@ -97,7 +97,7 @@ class DecodeGraphs:
         # Keyed (size, distinct, long): distinct graphs run steps whose rows are each a sequence of its
         # own (decode()), with each row's rotary embedding and cache write inside its attention kernel
         # (Batch.distinct); the others run rows of one sequence side by side (rows(), checks()). Long
-        # ones, steps with a context past attention.LONG_CONTEXT, where their attention splits
+        # ones, steps with a context past paged_decode.LONG_CONTEXT, where their attention splits
         # contexts in more parts than a short step's (Batch.long_contexts).
         self.graphs: dict[tuple[int, bool, bool], torch.cuda.CUDAGraph] = {}
         self.logits: dict[tuple[int, bool, bool], torch.Tensor] = {}
