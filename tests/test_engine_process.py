@@ -8,6 +8,8 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import grpc
@@ -143,6 +145,43 @@ async def test_the_native_engine_answers_as_it_does_in_process(embedded_model):
     assert answers[True] == answers[False]
     assert answers[True][0][2] and json.loads(answers[True][1][0])["city"]
     assert answers[True][2][3] == pb.FINISH_REASON_STOP and "." not in answers[True][2][0]
+
+
+FROZEN = """
+import asyncio, gc, socket, threading
+from worker.config_loader import load_config
+from worker.engines import hosted
+
+
+async def worker_side(sock):
+    channel = await hosted.Channel.open(sock)
+    channel.send(load_config(None, {"HOME": "/tmp"}, {"engine.name": "synthetic", "server.socket": "/tmp/x.sock"}))
+    for kind in ("loaded", "warmed"):
+        while (await channel.receive())[0] != kind:
+            pass
+        print(kind, gc.get_freeze_count())
+        channel.send(("warmup",) if kind == "loaded" else ("stop",))
+    while (await channel.receive())[0] != "stopped":
+        pass
+
+
+ours, theirs = socket.socketpair()
+engine = threading.Thread(target=lambda: asyncio.run(hosted._serve(theirs.detach())))
+engine.start()
+asyncio.run(worker_side(ours))
+engine.join()
+"""
+
+
+def test_the_engine_s_process_freezes_what_it_loaded():
+    """The engine's process runs the steps, so a full collection of what it loaded would stall every
+    stream (164 ms on an H200 host): frozen once loaded and once warmed up, as the worker's own
+    process is. Both ends of the socket pair in one fresh interpreter, whose freeze count is read."""
+    done = subprocess.run([sys.executable, "-c", FROZEN], cwd=Path(__file__).resolve().parent.parent,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    counts = dict(line.split() for line in done.stdout.splitlines())
+    assert int(counts["loaded"]) > 10_000 and int(counts["warmed"]) > int(counts["loaded"])  # its tasks since
 
 
 async def test_cache_events_and_early_release_cross_from_the_engine_s_process():
