@@ -178,7 +178,7 @@ def test_the_engine_s_process_freezes_what_it_loaded():
     stream (164 ms on an H200 host): frozen once loaded and once warmed up, as the worker's own
     process is. Both ends of the socket pair in one fresh interpreter, whose freeze count is read."""
     done = subprocess.run([sys.executable, "-c", FROZEN], cwd=Path(__file__).resolve().parent.parent,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr
     counts = dict(line.split() for line in done.stdout.splitlines())
     assert int(counts["loaded"]) > 10_000 and int(counts["warmed"]) > int(counts["loaded"])  # its tasks since
