@@ -318,10 +318,13 @@ async def test_stopping_while_the_model_loads_does_not_wait_for_the_load():
 
 
 @pytest.mark.model
-def test_stderr_holds_json_lines_to_the_exit(worker_process, embedded_model):
-    """The native worker freezes what it loaded (gc.freeze); left frozen at exit, Triton's objects
-    were never freed and nanobind reported them as leaks on stderr, dozens of lines not JSON."""
-    worker = worker_process("--engine", "native", "--model", "smollm2-135m-instruct")
+@pytest.mark.parametrize("own_process", ["false", "true"])
+def test_stderr_holds_json_lines_to_the_exit(worker_process, embedded_model, own_process):
+    """The native worker freezes what it loaded (gc.freeze), and so does the engine's own process,
+    whose stderr is the worker's; left frozen at exit, Triton's objects were never freed and
+    nanobind reported them as leaks on stderr, dozens of lines not JSON."""
+    worker = worker_process("--engine", "native", "--model", "smollm2-135m-instruct",
+                            "--set", f"engine.own_process={own_process}")
     worker.wait_ready(300)
     worker.signal(signal.SIGTERM)
     assert worker.wait(30) == 0
