@@ -5,8 +5,10 @@ ends; the engine's process ends with the worker, and the worker with it."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -19,7 +21,7 @@ from tests.conftest import running_worker, synthetic_request
 from worker.config import ConfigError
 from worker.config_loader import load_config
 from worker.engines.factory import runs_in_own_process, create_engine
-from worker.request import GenerationRequest, SamplingParams
+from worker.request import GenerationRequest, RequestOutput, SamplingParams, TokenLogprob
 from worker.gen.cyllm.inference.v1 import inference_pb2 as pb
 
 SYNTHETIC = ("--engine", "synthetic", "--set", "engine.own_process=true")
@@ -145,6 +147,16 @@ async def test_the_native_engine_answers_as_it_does_in_process(embedded_model):
     assert answers[True] == answers[False]
     assert answers[True][0][2] and json.loads(answers[True][1][0])["city"]
     assert answers[True][2][3] == pb.FINISH_REASON_STOP and "." not in answers[True][2][0]
+
+
+def test_an_output_crosses_the_socket_as_its_fields():
+    """The engine's process sends each output as RequestOutput.fields() (plain values pickle ~7x
+    faster than the dataclass); the worker's side makes the same output of them."""
+    output = RequestOutput(text=" a", token_ids=[5, 6], finish_reason="stop",
+                           logprobs=[TokenLogprob(5, -0.5, [(5, -0.5), (7, -1.5)]), TokenLogprob(6, -0.1)],
+                           prompt_logprobs=[TokenLogprob(3, None), TokenLogprob(4, -2.0)])
+    assert len(output.fields()) == len(dataclasses.fields(RequestOutput))
+    assert RequestOutput(*pickle.loads(pickle.dumps(output.fields()))) == output
 
 
 FROZEN = """

@@ -5,9 +5,10 @@ a wake-up of this process's event loop, with the engine's counters beside them.
 Messages are pickled tuples over a Unix socket pair (Channel). From the worker, after the config:
 ("add", key, request), ("abort", key), ("sync", n), ("warmup",), ("stop",). To it: ("loaded",
 front) or ("failed", error), ("warmed",) or ("failed", error), ("batch", events, counters),
-("counters", counters, memory) every second, ("fatal", why), ("stopped",). An event is (key, PUT, output), (key, ENDING, None), (key, FAIL, error), (None,
-CACHE, ("publish", changes) | ("stop", reason)) or (None, SYNC, n), which the worker answers with
-("sync", n) once the requests admitted into the slots the events before it gave back are sent.
+("counters", counters, memory) every second, ("fatal", why), ("stopped",). An event is (key, PUT,
+output.fields()), (key, ENDING, None), (key, FAIL, error), (None, CACHE, ("publish", changes) |
+("stop", reason)) or (None, SYNC, n), which the worker answers with ("sync", n) once the requests
+admitted into the slots the events before it gave back are sent.
 """
 
 from __future__ import annotations
@@ -252,7 +253,7 @@ class ForwardedStream(RequestStream):
         if output.finish_reason is not None:
             self.finished = True
             self.host.streams.pop(self.key, None)
-        self.host.post((self.key, PUT, output))
+        self.host.post((self.key, PUT, output.fields()))
 
     def ending(self) -> None:
         if not self.finished:

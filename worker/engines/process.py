@@ -31,7 +31,7 @@ from worker.engines.base import BaseEngine, Capabilities, ModelInfo, RequestStre
 from worker.engines.detokenizer import OutputText
 from worker.engines.hosted import CACHE, ENDING, FAIL, PUT, SYNC, Channel
 from worker.errors import EngineDead
-from worker.request import GenerationRequest, SamplingParams
+from worker.request import GenerationRequest, RequestOutput, SamplingParams
 from worker.telemetry import get_logger
 
 log = get_logger(__name__)
@@ -198,6 +198,7 @@ class ProcessEngine(BaseEngine):
         for key, kind, payload in events:
             if kind == PUT:
                 if (stream := streams.get(key)) is not None:
+                    payload = RequestOutput(*payload)
                     if payload.token_ids and (text := self._texts.get(key)) is not None:
                         renderer, params = text
                         payload.text = renderer.add_all(payload.token_ids, params.stop_token_ids, params.ignore_eos,
