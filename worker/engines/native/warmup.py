@@ -6,7 +6,8 @@ the same kinds of argument (model.py, sequence.batch_of); the rest came with the
 a fresh host, 0.25-0.55 s each (Llama-1B shape on an H100, Triton's cache empty): prompts after a
 cached prefix (the paged prefill kernel, for up to 16 new tokens and for more), and the greedy
 choice (sampler.argmax) over up to 16 rows and over more, of the model's logits and of float ones
-(sampling, penalties). A first batch of prompts sharing a prefix took 1.77 s to its first tokens,
+(sampling, penalties); and on an H200, few_rows' LM head over 17-32 rows of a step of prompts
+(SmolLM2's: its vocabulary takes the kernel's wide tiles, which no other product there does). A first batch of prompts sharing a prefix took 1.77 s to its first tokens,
 against 51-67 ms after this warm-up, which takes 1.6-2.5 s with Triton's cache empty, less once full.
 Where the engine speculates it also runs requests that do, then forgets what its steps taught the
 speculator (their times include the compiles): with what they taught, a fresh worker's first
@@ -31,8 +32,9 @@ def prompt(first: int, length: int, vocab: int) -> list[int]:
 async def warm_up(engine) -> None:
     """Runs, on `engine` (loaded, on CUDA), with every prompt chunk a prefill: a request decoding
     throughout; beside it a fresh prompt, one after its cached blocks with 8 new tokens, prompts of
-    20 and 40 tokens, one with 40 new tokens beside 32 short prompts, a sampled one alone and one
-    beside 32 more; where the engine speculates, requests that ask to, alone and two at once."""
+    20 and 40 tokens, one with 40 new tokens beside 32 short prompts, 19 short prompts at once, a
+    sampled one alone and one beside 32 more; where the engine speculates, requests that ask to,
+    alone and two at once."""
     vocab, block = engine.info.vocab_size, engine.blocks.block_size
     room = min(engine.info.max_model_len - 64, engine.kv_budget_tokens() // 4) // block * block
     if room < 2 * block:
@@ -53,6 +55,9 @@ async def warm_up(engine) -> None:
         for length in (20, 40):  # 17-63 rows: few_rows' tiles of 32 and 64 rows, gated and handing off
             await run(f"rows-{length}", prompt(29 + length, length, vocab), 1)
         await asyncio.gather(run("cached-40", shared + prompt(17, 40, vocab), 1), *shorts("greedy"))
+        # 17-32 rows of logits at once, few_rows' tile of 32 rows: without it a first burst of 64
+        # prompts compiled the LM head's on an H200 (SmolLM2, 0.35 s; test_native_warm_up.py).
+        await asyncio.gather(*shorts("burst", 19))
         await run("sampled", prompt(19, 4, vocab), 2, **SAMPLED)  # sampling chooses over float logits
         await asyncio.gather(run("sampled-many", prompt(23, 4, vocab), 2, **SAMPLED), *shorts("beside-sampled"))
         if engine.speculates:  # checks of proposals, greedy and sampled, alone and side by side
@@ -61,9 +66,9 @@ async def warm_up(engine) -> None:
             await asyncio.gather(run("speculative-beside", copied, 32, speculative=True),
                                  run("speculative-sampled", copied, 32, speculative=True, **SAMPLED))
 
-    def shorts(name: str) -> list:
+    def shorts(name: str, count: int = 32) -> list:
         """More than 16 rows choose their tokens in one step: the greedy choice takes another variant."""
-        return [run(f"{name}-{i}", prompt(100 + i, 4, vocab), 2) for i in range(32)]
+        return [run(f"{name}-{i}", prompt(100 + i, 4, vocab), 2) for i in range(count)]
 
     # Every prompt chunk a prefill, none as graph rows (whose kernels the graphs' capture compiled).
     graph_rows, engine.decode_rows = engine.decode_rows, DecodeRows()
