@@ -222,6 +222,7 @@ async def throughput(name: str, shape: dict, batches: list[int], work: Path, ban
     engine = engine_for(folder, "bfloat16", as_worker=True)
     row["engine_in_own_process"] = runs_in_own_process(engine.config)
     await engine.load_model()
+    await engine.warmup()  # as the worker does before it says ready: Triton's kernels compile here
     row["native_ready_s"] = time.perf_counter() - started
     gc.collect()
     gc.freeze()  # as the worker does once loaded (server.py): a full collection stalls every stream
@@ -274,6 +275,7 @@ async def in_process(name: str, folder: Path, vocab: int, row: dict, model: Step
     (device time by kernel, the host's gaps; it sees no other process's kernels) and the device floor."""
     engine = engine_for(folder, "bfloat16")
     await engine.load_model()
+    await engine.warmup()
     rng = random.Random(4)
     try:
         for batch, result in row["native"].items():
