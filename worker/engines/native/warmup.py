@@ -7,8 +7,9 @@ a fresh host, 0.25-0.55 s each (Llama-1B shape on an H100, Triton's cache empty)
 cached prefix (the paged prefill kernel, for up to 16 new tokens and for more), and the greedy
 choice (sampler.argmax) over up to 16 rows and over more, of the model's logits and of float ones
 (sampling, penalties); and on an H200, few_rows' LM head over 17-32 rows of a step of prompts
-(SmolLM2's: its vocabulary takes the kernel's wide tiles, which no other product there does). A first batch of prompts sharing a prefix took 1.77 s to its first tokens,
-against 51-67 ms after this warm-up, which takes 1.6-2.5 s with Triton's cache empty, less once full.
+(SmolLM2's: its vocabulary takes the kernel's wide tiles, which no other product there does). A
+first batch of prompts sharing a prefix took 1.77 s to its first tokens, against 51-67 ms after
+this warm-up, which takes 1.6-2.5 s with Triton's cache empty, less once full.
 Where the engine speculates it also runs requests that do, then forgets what its steps taught the
 speculator (their times include the compiles): with what they taught, a fresh worker's first
 requests that asked to speculate found their proposals too dear to make.
