@@ -6,7 +6,7 @@ the same kinds of argument (model.py, sequence.batch_of); the rest came with the
 a fresh host, 0.25-0.55 s each (Llama-1B shape on an H100, Triton's cache empty): prompts after a
 cached prefix (the paged prefill kernel, for up to 16 new tokens and for more), and the greedy
 choice (sampler.argmax) over up to 16 rows and over more, of the model's logits and of float ones
-(sampling, penalties); and on an H200, few_rows' LM head over 17-32 rows of a step of prompts
+(sampling, penalties); and on an H200, few_rows' LM head over 17-31 rows of a step of prompts
 (SmolLM2's: its vocabulary takes the kernel's wide tiles, which no other product there does). A
 first batch of prompts sharing a prefix took 1.77 s to its first tokens, against 51-67 ms after
 this warm-up, which takes 1.6-2.5 s with Triton's cache empty, less once full.
