@@ -10,7 +10,7 @@ async def test_the_warm_up_takes_logits_in_each_of_few_rows_tiles(tiny_llama):
     (BM, a variant Triton compiles at its first use): the warm-up takes logits of rows in each, or
     a fresh worker compiles the missing one in service. On an H200 (SmolLM2, the warm-up without a
     step of 17-31 such rows) a first burst of 64 prompts compiled one on the engine thread, ~0.35 s
-    with every stream waiting; with it, bursts of 17-64 compiled nothing."""
+    with every stream waiting; with it, bursts of 17, 20, 24, 30 and 64 compiled nothing."""
     from worker.engines.native.warmup import warm_up
 
     engine = NativeEngine(load_config(None, {"HOME": "/tmp"}, {

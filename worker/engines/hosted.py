@@ -83,9 +83,10 @@ class Channel:
 
 def settle() -> None:
     """What is loaded by now lives as long as the process: frozen, a full collection no longer walks
-    it (as the worker's process does, server.py; both unfreeze before they exit). This process runs the steps: unfrozen (~400k
-    objects, a full collection 184 ms on a 2-core Xeon), one held the engine thread 164 ms between
-    two steps of a batch-64 decode on an H200 host, whose steps were 1.2 ms apart but for that."""
+    it (as the worker's process does, server.py; both unfreeze before they exit). This process runs
+    the steps: unfrozen (~400k objects, a full collection 184 ms on a 2-core Xeon), one held the
+    engine thread 164 ms between two steps of a batch-64 decode on an H200 host, whose steps were
+    1.2 ms apart but for that."""
     gc.collect()
     gc.freeze()
 
