@@ -210,7 +210,8 @@ def embedded_model() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
-    """tiny_model(family, **config): a random 2-layer "llama" or "qwen2" saved as an HF folder (no tokenizer)."""
+    """tiny_model(family, **config): a random 2-layer "llama" or "qwen2" saved as an HF folder (no
+    tokenizer), of hidden size 256 unless config says otherwise."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -218,8 +219,9 @@ def tiny_model(tmp_path_factory):
         config_class, model_class = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[family]
         folder = tmp_path_factory.mktemp(f"tiny-{family}")
         torch.manual_seed(5)
-        model_class(config_class(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                                 num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024, **config)).save_pretrained(folder)
+        shape = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+                 "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 1024}
+        model_class(config_class(**{**shape, **config})).save_pretrained(folder)
         return folder
 
     return make

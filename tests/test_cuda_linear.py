@@ -75,6 +75,16 @@ def test_the_one_row_kernel_takes_its_devices_config_for_the_widths_measured(mon
     assert few_rows.few_rows_config(h200, 960, 640, 16) == (bn, 128, warps, stages)
     assert few_rows.few_rows_config(h200, 3072, 576, most) == (*narrow[:1], 64, *narrow[2:])  # past FEW_ROWS_MOST
     assert few_rows.few_rows_config(h200, 960, 1000, 16) is None and few_rows.few_rows_config(h200, 960, 544, 2) is None
+    # split along K (the o and down projections past HANDOFF_MOST_ROWS): the H200's, by N and K
+    many, most = few_rows.HANDOFF_MOST_ROWS + 1, few_rows.FEW_ROWS_LIMIT
+    ((_, _, _, small), (_, _, _, deep)) = few_rows.FEW_ROWS_SPLIT["H200"]
+    assert few_rows.split_config(h200, 2048, 2048, many) == few_rows.split_config(h200, 2048, 1024, most) == small
+    assert few_rows.split_config(h200, 2048, 8192, many) == few_rows.split_config(h200, 2048, 2560, most) == deep
+    assert few_rows.split_config(h200, 2048, 2304, many) == (*deep[:1], 64, *deep[2:])  # bk halved: 4 x 64 | 2,304
+    assert all(few_rows.split_config(device, n, k, m) is None for device, n, k, m in (
+        (h200, 2048, 2048, many - 1), (h200, 2048, 2048, most + 1), (h100, 2048, 2048, many),
+        (h200, 2048, 2112, many),  # K in no two parts of whole 64-wide tiles
+        (h200, 4096, 4096, many), (h200, 576, 1536, many)))  # the Llama-8B shape's (N 4,096), SmolLM2's (576)
     # the activation from few_rows' kernel where the down projection after it goes to cuBLAS
     llama_1b, smollm2, uneven = (RowLinear(torch.nn.Linear(k, 2 * n, bias=False, device="meta"))
                                  for k, n in ((2048, 8192), (576, 1536), (576, 1000)))
@@ -227,18 +237,77 @@ def test_few_rows_adds_the_residual_stream_and_the_next_product_takes_its_norm()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels run on CUDA")
+def test_a_product_split_along_k_gives_the_norm_its_parts():
+    """Past HANDOFF_MOST_ROWS rows, an o or down projection split along K (few_rows.FEW_ROWS_SPLIT)
+    gives its fp32 parts, and the norm kernel adds them up, rounds the sum as few_rows rounds a
+    product and adds the residual stream: to the bit what the norm kernel gives on that rounded sum.
+    Where the device has no split (its name, the row count), RowLinear.split gives None."""
+    from worker.engines.native.elementwise import Elementwise
+    from worker.engines.native.few_rows import split_config
+    from worker.engines.native.linear import RowLinear
+
+    torch.manual_seed(0)
+    ops = Elementwise()
+    ops.use_triton()
+    dtype, device = torch.bfloat16, torch.device("cuda")
+    for n, k, bias in ((2048, 2048, False), (2048, 8192, True), (4096, 4096, False)):
+        linear = RowLinear(torch.nn.Linear(k, n, bias=bias, device="cuda", dtype=dtype))
+        norm = torch.rand(n, device="cuda", dtype=dtype) + 0.5
+        for rows in (32, 33, 40, 64, 65):
+            x, residual = (torch.randn(rows, width, device="cuda", dtype=dtype) for width in (k, n))
+            split = linear.split(x)
+            config = split_config(device, n, k, rows)
+            if config is None:
+                assert split is None
+                continue
+            parts = split.parts
+            assert parts.shape == (config[4], rows, n) and parts.dtype == torch.float32
+            want = x.float() @ linear.linear.weight.float().T + (linear.linear.bias.float() if bias else 0)
+            torch.testing.assert_close(parts.sum(0), want, atol=1e-3, rtol=1e-3)
+            total, h = ops.add_rms_norm(parts, residual, norm, 1e-5)
+            summed = parts[0] + parts[1] if len(parts) == 2 else parts.sum(0)
+            want_total, want_h = ops.add_rms_norm(summed.to(dtype), residual, norm, 1e-5)
+            if len(parts) == 2:  # one order of adding: the same bits
+                assert torch.equal(total, want_total) and torch.equal(h, want_h)
+            torch.testing.assert_close(total, want_total, atol=2e-2, rtol=1e-2)
+    if "H200" in torch.cuda.get_device_name():
+        assert split_config(device, 2048, 2048, 40) is not None  # what the loop above covered
+
+
+def _model_step(model, caches: torch.Tensor, contexts: list[int], queries: list[int], block_size: int = 16):
+    """(logits, k cache, v cache) of one step through the model: each sequence's last `queries`
+    tokens of its `contexts`, over copies of the caches (2, layers, slots, kv heads, head dim)."""
+    from worker.engines.native.batch import Batch
+
+    tables = [[13 * i + j for j in range(13)] for i in range(len(contexts))]
+    positions = [p for n, q in zip(contexts, queries) for p in range(n - q, n)]
+    rows = [i for i, q in enumerate(queries) for _ in range(q)]
+    slots = [tables[i][p // block_size] * block_size + p % block_size for i, p in zip(rows, positions)]
+    ends = torch.tensor(queries).cumsum(0) - 1
+    batch = Batch(torch.tensor([(7 * p + 3) % 500 for p in positions], device="cuda"),
+                  torch.tensor(positions, device="cuda"), torch.tensor(slots, device="cuda"), queries, contexts,
+                  tables, ends.cuda(), block_size)
+    k, v = caches.clone()
+    return model(batch, k, v), k, v
+
+
+def _caches(model, blocks: int = 64, block_size: int = 16) -> torch.Tensor:
+    """Random caches for _model_step, whose sequence i holds blocks 13 * i to 13 * i + 12."""
+    c = model.config
+    torch.manual_seed(6)
+    return torch.randn(2, c.num_layers, blocks * block_size, c.num_kv_heads, c.head_dim).to("cuda", torch.bfloat16)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels run on CUDA")
 def test_a_model_of_few_rows_hands_the_residual_stream_from_kernel_to_kernel(tiny_llama, monkeypatch):
     """A step of a few rows through the model (decodes alone, and a prompt beside them) has its o and
     down projections add the residual stream and the next projections (qkv, gate/up) take the norm:
     the logits and cache writes of the norm kernels' path, but for rounding."""
-    from worker.engines.native.batch import Batch
     from worker.engines.native.linear import RowLinear
     from worker.engines.native.model import load_model
 
     model = load_model(tiny_llama, torch.bfloat16, torch.device("cuda"))
-    c, block_size = model.config, 16
-    torch.manual_seed(6)
-    caches = torch.randn(2, c.num_layers, 64 * block_size, c.num_kv_heads, c.head_dim).to("cuda", torch.bfloat16)
+    c, caches = model.config, _caches(model)
     adding, after_norm, added, normed = RowLinear.adding, RowLinear.after_norm, [], []
 
     def spy(self, x, residual, next_norm=None):
@@ -251,27 +320,52 @@ def test_a_model_of_few_rows_hands_the_residual_stream_from_kernel_to_kernel(tin
         normed.append(out is not None)
         return out
 
-    def step(contexts: list[int], queries: list[int]):
-        tables = [[13 * i + j for j in range(13)] for i in range(len(contexts))]
-        positions = [p for n, q in zip(contexts, queries) for p in range(n - q, n)]
-        rows = [i for i, q in enumerate(queries) for _ in range(q)]
-        slots = [tables[i][p // block_size] * block_size + p % block_size for i, p in zip(rows, positions)]
-        ends = torch.tensor(queries).cumsum(0) - 1
-        batch = Batch(torch.tensor([(7 * p + 3) % 500 for p in positions], device="cuda"),
-                      torch.tensor(positions, device="cuda"), torch.tensor(slots, device="cuda"), queries, contexts,
-                      tables, ends.cuda(), block_size)
-        k, v = caches.clone()
-        return model(batch, k, v), k, v
-
     for contexts, queries in (([30, 17, 90, 5], [1] * 4), ([30, 17, 90, 5, 40], [1, 1, 1, 1, 9])):
         monkeypatch.setattr(RowLinear, "adding", spy)
         monkeypatch.setattr(RowLinear, "after_norm", spy_norm)
         added.clear()
         normed.clear()
-        got = step(contexts, queries)
+        got = _model_step(model, caches, contexts, queries)
         assert added == [True] * (2 * c.num_layers)
         assert normed == [True] * (2 * c.num_layers - 1)  # qkv past the first layer, every gate/up
         monkeypatch.setattr(RowLinear, "adding", lambda self, x, residual, next_norm=None: None)
-        want = step(contexts, queries)
+        want = _model_step(model, caches, contexts, queries)
         assert got[0].shape == (len(contexts), c.vocab_size)
         torch.testing.assert_close(got, want, atol=5e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels run on CUDA")
+def test_a_model_step_past_the_hand_off_splits_its_products_for_the_norms(tiny_model, monkeypatch):
+    """Past HANDOFF_MOST_ROWS rows (decodes alone, and a prompt beside them, whose last rows the
+    model picks from the parts), the o and down projections give their parts along K to the norm
+    after them where the device splits them (few_rows.FEW_ROWS_SPLIT; the Llama-1B shape's widths):
+    the logits and cache writes of the whole products' path, but for rounding."""
+    from worker.engines.native.few_rows import split_config
+    from worker.engines.native.linear import RowLinear
+    from worker.engines.native.model import load_model
+
+    folder = tiny_model("llama", hidden_size=2048, intermediate_size=2048, num_attention_heads=32,
+                        num_key_value_heads=8)
+    model = load_model(folder, torch.bfloat16, torch.device("cuda"))
+    contexts = [20 + 3 * i for i in range(36)]
+    c, caches = model.config, _caches(model, 13 * len(contexts))
+    splits = split_config(torch.device("cuda"), c.hidden_size, c.hidden_size, 40) is not None
+    assert splits == (split_config(torch.device("cuda"), c.hidden_size, c.intermediate_size, 40) is not None)
+    split, made = RowLinear.split, []
+
+    def spy(self, x):
+        parts = split(self, x)
+        made.append(parts is not None)
+        return parts
+
+    for queries in ([1] * 36, [1] * 35 + [9]):
+        monkeypatch.setattr(RowLinear, "split", spy)
+        made.clear()
+        got = _model_step(model, caches, contexts, queries)
+        assert made == [splits] * (2 * c.num_layers)
+        monkeypatch.setattr(RowLinear, "split", lambda self, x: None)
+        want = _model_step(model, caches, contexts, queries)
+        assert got[0].shape == (len(contexts), c.vocab_size)
+        torch.testing.assert_close(got, want, atol=5e-2, rtol=2e-2)
+    if "H200" in torch.cuda.get_device_name():
+        assert splits

@@ -58,14 +58,19 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def _norm_triton(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    rows, size = x.shape
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    """x (rows, size), or (parts, rows, size) with a residual: fp32 parts of a product (few_rows'
+    SPLIT), added up and rounded to the residual's dtype first."""
+    split = x.dim() == 3
+    assert not split or residual is not None
+    rows, size = x.shape[-2:]
+    out = torch.empty(rows, size, dtype=residual.dtype if split else x.dtype, device=x.device)
     total = torch.empty_like(out) if residual is not None else x
     block = triton.next_power_of_2(size)
     early = pdl.supported(x.device)
-    _norm_kernel[(rows,)](x, residual if residual is not None else x, weight, total, out, x.stride(0),
-                          residual.stride(0) if residual is not None else 0, size, eps,
-                          HAS_RESIDUAL=residual is not None, BLOCK=block, PDL=early,
+    _norm_kernel[(rows,)](x, residual if residual is not None else x, weight, total, out, x.stride(-2),
+                          residual.stride(0) if residual is not None else 0, size, eps, x.shape[0] if split else 1,
+                          x.stride(0), HAS_RESIDUAL=residual is not None, SPLIT=split,
+                          PARTS=triton.next_power_of_2(x.shape[0]) if split else 1, BLOCK=block, PDL=early,
                           num_warps=8 if block >= 4096 else 4, launch_pdl=early)
     return total, out
 
@@ -121,15 +126,23 @@ class Elementwise:
 if triton is not None:
 
     @triton.jit
-    def _norm_kernel(x_ptr, residual_ptr, weight_ptr, total_ptr, out_ptr, stride_x, stride_r, size, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-        """One row: total = x + residual (stored, in x's dtype), out = weight * norm(total)."""
+    def _norm_kernel(x_ptr, residual_ptr, weight_ptr, total_ptr, out_ptr, stride_x, stride_r, size, eps, parts,
+                     stride_part, HAS_RESIDUAL: tl.constexpr, SPLIT: tl.constexpr, PARTS: tl.constexpr,
+                     BLOCK: tl.constexpr, PDL: tl.constexpr):
+        """One row: total = x + residual (stored, in total's dtype), out = weight * norm(total). SPLIT: x
+        is the sum of its fp32 parts, rounded to total's dtype (as few_rows rounds a product)."""
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < size
         weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # no kernel writes it
         pdl.wait_for_previous(PDL)
-        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        if SPLIT:  # every part's row in one load, then their sum
+            part = tl.arange(0, PARTS)
+            x = tl.sum(tl.load(x_ptr + part[:, None] * stride_part + row * stride_x + cols[None, :],
+                               mask=(part < parts)[:, None] & mask[None, :], other=0.0), 0)
+            x = x.to(total_ptr.dtype.element_ty).to(tl.float32)
+        else:
+            x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:
             x += tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
             x = x.to(total_ptr.dtype.element_ty)

@@ -75,6 +75,26 @@ rounds). The 8B shape at batch 16, whose down projection went to cuBLAS already,
 4.665 ms before and 4.761 / 4.606 after (two rounds): no clear change."""
 
 
+FEW_ROWS_SPLIT = {"H200": ((2048, 2048, 2048, (32, 128, 4, 5, 2)), (2048, 2048, 65536, (64, 128, 4, 4, 4)))}
+"""By a part of the device's name: ((narrowest N, widest N, deepest K, (bn, bk, warps, stages,
+parts)), ...), the first that fits: products whose output the norm after it adds to the residual
+stream (the o and down projections), past HANDOFF_MOST_ROWS rows, split along K in `parts` parts
+(split_config). At 64 rows the Llama-1B shape's o projection, whole, reads its 8 MB in ~7 us (a quarter of its bound):
+each of its 64 programs reads all 64 rows of x for its 32 outputs, twice the weight's bytes through
+the L2 in all, and half the SMs have none; in two parts twice the programs read half as much each,
+and the norm kernel adds the fp32 parts (elementwise._norm_triton). On an H200, each product and
+the norm kernel after it over 16 layers' weights in a CUDA graph, us a layer at 48 / 64 rows (the
+route before in brackets: few_rows whole, or cuBLAS past FEW_ROWS_DEEPEST): 1B o 6.81 / 7.18 (8.16
+/ 8.34), down 14.49 / 14.81 (15.06 / 15.09). Through the engine (in-process engines alternated,
+four rounds of three runs, ms a step): batch 48 / 64 1.179 / 1.227 -> 1.107 / 1.158, batch 16 (not
+split) 1.009 either way. The 8B shape's o and down (N 4,096) were faster alone too (o 13.65 /
+13.89 against 15.18 / 14.44, down 34.73 / 35.49 against 35.96 / 37.60, in 64 x 128 tiles, two
+parts), not through the engine (5.109 / 5.231 against 5.080 / 5.219, within its runs' spread):
+not split. Nor is SmolLM2's down projection (N 576, K 1,536), whose engine's steps at batch 48 /
+64 are the host's: split, they spread 0.85-1.27 / 0.88-1.33 ms against 0.89-1.23 / 0.92-1.10
+(medians 0.944 / 1.024 against 0.911 / 0.928; four rounds of three runs)."""
+
+
 FEW_ROWS_K = 64
 """K must be a multiple of this: a config's K tile (bk) is halved until it divides K, down to it.
 SmolLM2's products of K 576 (its hidden size) take 64; before, few_rows took only K of 256s, and
@@ -95,6 +115,19 @@ def few_rows_config(device: torch.device, n: int, k: int, m: int) -> tuple[int, 
     return bn, bk, warps, stages
 
 
+def split_config(device: torch.device, n: int, k: int, m: int) -> tuple[int, int, int, int, int] | None:
+    """(bn, bk, warps, stages, parts) for m rows of an (n, k) product whose parts the norm after it
+    adds (FEW_ROWS_SPLIT); None: not split."""
+    if not HANDOFF_MOST_ROWS < m <= FEW_ROWS_LIMIT:
+        return None
+    bn, bk, warps, stages, parts = next((config for narrowest, widest, deepest, config
+                                         in for_device(FEW_ROWS_SPLIT, device) or ()
+                                         if narrowest <= n <= widest and k <= deepest), (0, 0, 0, 0, 0))
+    while bk > FEW_ROWS_K and k % (parts * bk):
+        bk //= 2
+    return (bn, bk, warps, stages, parts) if parts and k % (parts * bk) == 0 else None
+
+
 def _table_config(device: torch.device, n: int, k: int, m: int) -> tuple[int, int, int, int] | None:
     if k > (for_device(FEW_ROWS_DEEPEST, device) or k):
         return None
@@ -111,28 +144,34 @@ def _table_config(device: torch.device, n: int, k: int, m: int) -> tuple[int, in
 
 def few_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, bn: int, bk: int, warps: int,
              stages: int, gated: bool = False, residual: torch.Tensor | None = None,
-             next_norm: torch.Tensor | None = None, normed: tuple[torch.Tensor, float] | None = None):
+             next_norm: torch.Tensor | None = None, normed: tuple[torch.Tensor, float] | None = None,
+             parts: int = 1):
     """x (M, K), M <= FEW_ROWS_LIMIT, @ weight (N, K).T (+ bias), bf16 or fp16, K a multiple of bk: each program
     streams bn rows of W once for every row of x. gated: as gemv's, (M, N / 2) out.
     residual (M, N): returns (total, squares, weighted): total = the product + residual, rounded as
     the norm kernel's add rounds it; squares (programs, M) fp32, each program's sum of its columns of
     total squared; weighted = total * next_norm (N,), rounded (None without next_norm).
     normed (squares, eps): x is such a `weighted` and squares its total's; the product is then
-    rms_norm(total) * next_norm's, each row's 1 / rms applied to its sums (HANDOFF_MOST_ROWS says why)."""
+    rms_norm(total) * next_norm's, each row's 1 / rms applied to its sums (HANDOFF_MOST_ROWS says why).
+    parts > 1 (none of the above; K a multiple of parts * bk): (parts, M, N) fp32, the products of
+    K's parts, the bias in the first (FEW_ROWS_SPLIT)."""
     m = x.shape[0]
     n, k = weight.shape
-    out = torch.empty(m, n // 2 if gated else n, dtype=x.dtype, device=x.device)
     assert not (gated and residual is not None) and (residual is None or residual.stride() == (n, 1))
+    assert parts == 1 or (not gated and residual is None and normed is None and k % (parts * bk) == 0)
+    out = (torch.empty(m, n // 2 if gated else n, dtype=x.dtype, device=x.device) if parts == 1
+           else torch.empty(parts, m, n, dtype=torch.float32, device=x.device))
     programs = triton.cdiv(n, bn)
     squares = torch.empty(programs, m, dtype=torch.float32, device=x.device) if residual is not None else out
     weighted = torch.empty_like(out) if next_norm is not None else out
     norm_squares, eps = normed or (out, 0.0)
     early = pdl.supported(x.device)
-    _few_rows_kernel[(programs,)](
-        x, weight, bias if bias is not None else weight, out, m, n, k, x.stride(0), weight.stride(0),
+    _few_rows_kernel[(programs, parts)](
+        x, weight, bias if bias is not None else weight, out, m, n, k, k // parts, x.stride(0), weight.stride(0),
         residual if residual is not None else x, squares, next_norm if next_norm is not None else x, weighted,
         norm_squares, eps, norm_squares.shape[0], HAS_BIAS=bias is not None, BM=max(16, triton.next_power_of_2(m)),
-        BN=bn, BK=bk, GATED=gated, ADD=residual is not None, WEIGHTED=next_norm is not None, NORM=normed is not None,
+        BN=bn, BK=bk, SPLIT=parts > 1, GATED=gated, ADD=residual is not None, WEIGHTED=next_norm is not None,
+        NORM=normed is not None,
         PARTS=triton.next_power_of_2(norm_squares.shape[0]) if normed is not None else 1, PDL=early,
         num_warps=warps, num_stages=stages, launch_pdl=early)
     if residual is not None:
@@ -144,20 +183,21 @@ if triton is not None:
     from worker.engines.native.gemv import output_rows, silu_of_pairs
 
     @triton.jit
-    def _few_rows_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_x, stride_w, residual_ptr, squares_ptr,
-                         next_norm_ptr, weighted_ptr, norm_squares_ptr, eps, parts, HAS_BIAS: tl.constexpr,
-                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GATED: tl.constexpr,
+    def _few_rows_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, k_part, stride_x, stride_w, residual_ptr,
+                         squares_ptr, next_norm_ptr, weighted_ptr, norm_squares_ptr, eps, parts, HAS_BIAS: tl.constexpr,
+                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, GATED: tl.constexpr,
                          ADD: tl.constexpr, WEIGHTED: tl.constexpr, NORM: tl.constexpr, PARTS: tl.constexpr,
                          PDL: tl.constexpr):
         cols, valid = output_rows(BN, N, GATED)
         rows = tl.arange(0, BM)
-        ks = tl.arange(0, BK)
+        first = tl.program_id(1) * k_part  # 0 but for SPLIT's parts of K
+        ks = first + tl.arange(0, BK)
         w = tl.load(w_ptr + cols[:, None] * stride_w + ks[None, :], mask=valid[:, None], other=0.0,
                     eviction_policy="evict_first")
         pdl.wait_for_previous(PDL)
         x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=(rows < M)[:, None], other=0.0)
         acc = tl.dot(x, tl.trans(w))
-        for start in range(BK, K, BK):
+        for start in range(first + BK, first + k_part, BK):
             ks = start + tl.arange(0, BK)
             w = tl.load(w_ptr + cols[:, None] * stride_w + ks[None, :], mask=valid[:, None], other=0.0,
                         eviction_policy="evict_first")
@@ -168,10 +208,13 @@ if triton is not None:
             sums = tl.load(norm_squares_ptr + part[:, None] * M + rows[None, :],
                            mask=(part < parts)[:, None] & (rows < M)[None, :], other=0.0)
             acc = acc * tl.rsqrt(tl.sum(sums, 0) / K + eps)[:, None]
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + cols, mask=valid, other=0.0).to(tl.float32)[None, :]
+        if HAS_BIAS:  # (by the first part of a SPLIT product)
+            bias = tl.load(bias_ptr + cols, mask=valid, other=0.0).to(tl.float32)
+            acc += tl.where(tl.program_id(1) == 0, bias, 0.0)[None, :]
         mask = (rows < M)[:, None] & valid[None, :]
-        if GATED:
+        if SPLIT:
+            tl.store(out_ptr + (tl.program_id(1) * M + rows[:, None]) * N + cols[None, :], acc, mask=mask)
+        elif GATED:
             cols = tl.program_id(0) * (BN // 2) + tl.arange(0, BN // 2)
             tl.store(out_ptr + rows[:, None] * (N // 2) + cols[None, :], silu_of_pairs(acc, out_ptr.dtype.element_ty),
                      mask=(rows < M)[:, None] & (cols < N // 2)[None, :])

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from worker.engines.native import blas, kernels, pdl
-from worker.engines.native.few_rows import FEW_ROWS_LIMIT, HANDOFF_MOST_ROWS, few_rows, few_rows_config
+from worker.engines.native.few_rows import FEW_ROWS_LIMIT, HANDOFF_MOST_ROWS, few_rows, few_rows_config, split_config
 from worker.engines.native.gemv import NORMED_MAX, gemv, gemv_after_norm, rope_inside, triton
 from worker.engines.native.rotary import Rope
 
@@ -123,6 +123,16 @@ class Sum:
     norm: torch.Tensor | None
 
 
+@dataclass(frozen=True)
+class Parts:
+    """A product split along K (RowLinear.split): parts (S, rows, N) fp32, which the norm after it
+    adds up, rounds and adds to the residual stream (elementwise's norm kernel)."""
+    parts: torch.Tensor
+
+    def rows(self, index: torch.Tensor) -> Parts:
+        return Parts(self.parts[:, index])
+
+
 class RowLinear(nn.Module):
     """`linear` on CUDA: one row through gemv's kernel, a few rows in half precision (with PDL)
     through few_rows', others through torch's."""
@@ -178,6 +188,15 @@ class RowLinear(nn.Module):
         return Sum(*few_rows(x, self.linear.weight, self.linear.bias, *config, residual=residual, next_norm=next_norm),
                    next_norm)
 
+    def split(self, x: torch.Tensor) -> Parts | None:
+        """linear(x) as Parts, for the norm after it to add (few_rows.FEW_ROWS_SPLIT), where few_rows
+        splits x's product; else None."""
+        weight = self.linear.weight
+        config = split_config(x.device, *weight.shape, x.shape[0]) if self._few_rows_fit(x) else None
+        if config is None:
+            return None
+        return Parts(few_rows(x, weight, self.linear.bias, *config[:4], parts=config[4]))
+
     def after_norm(self, x: Sum, eps: float, silu_and_mul=None) -> torch.Tensor | None:
         """linear(rms_norm(x.total) * x.norm) in few_rows' kernel, from x.weighted and the sums of
         squares, no norm kernel before it (few_rows.HANDOFF_MOST_ROWS; rounded otherwise than that path);
@@ -204,11 +223,14 @@ class RowLinear(nn.Module):
 
     def _few_rows_config(self, x: torch.Tensor) -> tuple[int, int, int, int] | None:
         """few_rows' config for x's product, or None where few_rows does not take it."""
-        weight = self.linear.weight
-        if (not x.is_cuda or x.stride(-1) != 1 or not 1 < x.shape[0] <= FEW_ROWS_LIMIT
-                or x.dtype not in (torch.bfloat16, torch.float16) or not pdl.supported(x.device)):
-            return None
-        return few_rows_config(x.device, *weight.shape, x.shape[0])
+        return few_rows_config(x.device, *self.linear.weight.shape, x.shape[0]) if self._few_rows_fit(x) else None
+
+    @staticmethod
+    def _few_rows_fit(x: torch.Tensor) -> bool:
+        """Whether x is what few_rows' kernel reads: 2 to FEW_ROWS_LIMIT contiguous rows in half
+        precision on a CUDA device of PDL."""
+        return (x.is_cuda and x.stride(-1) == 1 and 1 < x.shape[0] <= FEW_ROWS_LIMIT
+                and x.dtype in (torch.bfloat16, torch.float16) and pdl.supported(x.device))
 
     def gives_activation(self, device: torch.device, rows: int) -> bool:
         """Whether few_rows' kernel, where it takes `rows` rows, gives this gate/up projection's

@@ -21,7 +21,7 @@ from worker.engines.native.attention import decode_attention, prefill_attention,
 from worker.engines.native.batch import Batch
 from worker.engines.native.elementwise import Elementwise
 from worker.engines.native.gemv import triton
-from worker.engines.native.linear import PackedLinear, QuantLinear, RowLinear, Sum
+from worker.engines.native.linear import PackedLinear, Parts, QuantLinear, RowLinear, Sum
 from worker.engines.native.rotary import Rope, rope_and_store
 
 SUPPORTED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
@@ -95,23 +95,25 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.rms_norm(x, self.weight, self.eps)
 
-    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+    def add(self, x: torch.Tensor | Parts, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + residual, its norm); Parts: x's parts added up in the norm's kernel (Triton's)."""
+        return self.ops.add_rms_norm(x.parts if isinstance(x, Parts) else x, residual, self.weight, self.eps)
 
-    def then(self, linear: nn.Module, x: torch.Tensor | Sum, residual: torch.Tensor | None,
+    def then(self, linear: nn.Module, x: torch.Tensor | Sum | Parts, residual: torch.Tensor | None,
              rope: Rope | None = None, gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + residual, linear(its norm)): the residual stream and the next sublayer's projection
         (residual None: x itself, or a Sum, the stream as the kernel before gave it). One row on CUDA
         takes one kernel (RowLinear.after_add_rms_norm); so does a Sum where few_rows takes its rows
-        (RowLinear.after_norm). rope (Attention.rope_inside): the projection's kernel rotates and writes
-        the cache too; gated: a gate/up projection, silu(gate) * up in its place (inside its kernel on CUDA)."""
+        (RowLinear.after_norm); Parts, as plus() gives them, are added up by the norm's kernel. rope
+        (Attention.rope_inside): the projection's kernel rotates and writes the cache too; gated: a
+        gate/up projection, silu(gate) * up in its place (inside its kernel on CUDA)."""
         if isinstance(x, Sum):
             fused = (linear.after_norm(x, self.eps, self.ops.silu_and_mul if gated else None)
                      if x.norm is self.weight else None)
             if fused is not None:
                 return x.total, fused
             x = x.total
-        elif residual is not None and isinstance(linear, RowLinear):
+        elif residual is not None and isinstance(linear, RowLinear) and not isinstance(x, Parts):
             fused = linear.after_add_rms_norm(x, residual, self.weight, self.eps, rope, gated)
             if fused is not None:
                 return fused
@@ -125,15 +127,18 @@ class RMSNorm(nn.Module):
 
 
 def plus(linear: nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
-         next_norm: RMSNorm | None) -> tuple[torch.Tensor | Sum, torch.Tensor | None]:
+         next_norm: RMSNorm | None) -> tuple[torch.Tensor | Sum | Parts, torch.Tensor | None]:
     """(linear(x) + residual as a Sum, None) where the product's kernel adds the residual stream
     (RowLinear.adding, at 2-32 rows on CUDA: few_rows.HANDOFF_MOST_ROWS), with what lets the
     projection after `next_norm` take it without that norm's kernel; else (linear(x), residual),
-    for the norm after it to add."""
+    for the norm after it to add, linear(x) as Parts where few_rows splits it (RowLinear.split)."""
     if residual is not None and isinstance(linear, RowLinear):
         summed = linear.adding(x, residual, next_norm.weight if next_norm is not None else None)
         if summed is not None:
             return summed, None
+        split = linear.split(x)
+        if split is not None:
+            return split, residual
     return linear(x), residual
 
 
@@ -199,8 +204,8 @@ class DecoderLayer(nn.Module):
         """(this layer's MLP output, the residual stream before it): the next layer's norm adds them
         in the same kernel (the first layer's gets residual None); or (their sum, None) where the
         down projection's kernel adds them (plus(), with `next_norm`, the next layer's first norm)."""
-        # (a Sum has several rows: never one-row rope inside the qkv projection)
-        rope = None if isinstance(x, Sum) else self.self_attn.rope_inside(x, cos, sin, batch, k_cache, v_cache)
+        # (a Sum or Parts has several rows: never one-row rope inside the qkv projection)
+        rope = None if isinstance(x, (Sum, Parts)) else self.self_attn.rope_inside(x, cos, sin, batch, k_cache, v_cache)
         residual, qkv = self.input_layernorm.then(self.self_attn.qkv_proj, x, residual, rope)
         attended, residual = self.self_attn(qkv, cos, sin, batch, k_cache, v_cache, residual,
                                             self.post_attention_layernorm, rotated=rope is not None)
@@ -252,7 +257,7 @@ class LlamaModel(nn.Module):
         if isinstance(x, Sum):  # the last down projection's kernel added the stream
             x, residual = x.total, None
         if len(batch.last_token_index) < len(batch.input_ids):  # else every token is a decode, its sequence's last
-            x = x[batch.last_token_index]
+            x = x.rows(batch.last_token_index) if isinstance(x, Parts) else x[batch.last_token_index]
             residual = residual[batch.last_token_index] if residual is not None else None
         # The norm's own kernel: inside one row's LM head kernel its 16k programs would each read the
         # whole row; inside few_rows' (few_rows.HANDOFF_MOST_ROWS) it was the slower.
