@@ -3,7 +3,8 @@
 bench/native_gpu.py puts whole steps against the step-time model; this says which part of a step
 keeps it from its bound. For a Llama shape at each batch size, a layer's four products and the LM
 head go through the engine's own routing (linear.RowLinear: gemv at one row, few_rows at a few,
-cuBLAS past them; the gate/up projection gives its activation as the engine takes it), and the
+cuBLAS past them; the gate/up projection gives its activation as the engine takes it, the o and
+down projections come in parts along K where the engine splits them, RowLinear.split), and the
 decode attention runs as the step's graphs run it (graphs.rotates_inside: the rotary embedding and
 cache write inside the attention kernel; elsewhere their own kernel, not counted here). Each part
 is timed in a CUDA graph over distinct copies of its weights or caches, ~200 MB of them, so that L2
@@ -76,20 +77,24 @@ def copies(part_bytes: int, most: int = 512) -> int:
     return max(2, min(most, -(-COPIES_BYTES // part_bytes)))
 
 
-def product(n: int, k: int, rows: int, gated: bool, ops: Elementwise) -> dict:
-    """(N, K) weights' product of `rows` rows as the engine routes it."""
+def product(n: int, k: int, rows: int, gated: bool, adds: bool, ops: Elementwise) -> dict:
+    """(N, K) weights' product of `rows` rows as the engine routes it; adds: its output is what the
+    norm after it adds to the residual stream (o, down), in fp32 parts where the engine splits it."""
     linears = [RowLinear(torch.nn.Linear(k, n, bias=False, device=DEVICE, dtype=torch.bfloat16))
                for _ in range(copies(2 * n * k))]
     x = torch.randn(rows, k, device=DEVICE, dtype=torch.bfloat16)
-    calls = [(lambda lin=lin: lin.activated(x, ops.silu_and_mul)) if gated else (lambda lin=lin: lin(x))
+    split = linears[0].split(x) if adds else None  # (RowLinear.split: None where the engine runs it whole)
+    parts = split.parts.shape[0] if split is not None else 0
+    calls = [(lambda lin=lin: lin.activated(x, ops.silu_and_mul)) if gated
+             else (lambda lin=lin: lin.split(x)) if parts else (lambda lin=lin: lin(x))
              for lin in linears]
     epilogue = gated and x.is_cuda and linears[0].gives_activation(x.device, rows)  # few_rows gives the activation
     few = linears[0]._few_rows_config(x) is not None
-    kernel = ("gemv" if rows == 1 else "few_rows" if few else "cublas") if DEVICE == "cuda" else "torch"
+    kernel = ("gemv" if rows == 1 else "few_rows" if few or parts else "cublas") if DEVICE == "cuda" else "torch"
     silu = gated and kernel != "gemv" and not (few and epilogue)  # else the SiLU kernel after the product
-    out = n // 2 if gated else n
-    return {"us": timed(calls), "bytes": 2 * (n * k + rows * k + rows * out), "flops": 2 * rows * n * k,
-            "kernel": kernel + (" + silu" if silu else "")}
+    out = 4 * parts * rows * n if parts else 2 * rows * (n // 2 if gated else n)  # fp32 parts, or the product
+    return {"us": timed(calls), "bytes": 2 * (n * k + rows * k) + out, "flops": 2 * rows * n * k,
+            "kernel": kernel + (" + silu" if silu else "") + (f" in {parts} parts" if parts else "")}
 
 
 def attention(shape: dict, batch: int, context: int) -> dict:
@@ -127,13 +132,13 @@ def measure(name: str, batches: list[int], context: int, bandwidth: float, peak:
     ops = Elementwise()
     if DEVICE == "cuda":
         ops.use_triton()
-    weights = {"qkv": ((heads + 2 * kv_heads) * dim, hidden, False), "o": (hidden, heads * dim, False),
-               "gate_up": (2 * inter, hidden, True), "down": (hidden, inter, False),
-               "lm_head": (shape["vocab_size"], hidden, False)}
+    weights = {"qkv": ((heads + 2 * kv_heads) * dim, hidden, False, False), "o": (hidden, heads * dim, False, True),
+               "gate_up": (2 * inter, hidden, True, False), "down": (hidden, inter, False, True),
+               "lm_head": (shape["vocab_size"], hidden, False, False)}
     model = StepModel(shape, bandwidth, peak)
     row = {"shape": name, **shape, "context": context, "batches": {}}
     for batch in batches:
-        parts = {part: product(n, k, batch, gated, ops) for part, (n, k, gated) in weights.items()}
+        parts = {part: product(n, k, batch, gated, adds, ops) for part, (n, k, gated, adds) in weights.items()}
         parts["attention"] = attention(shape, batch, context)
         for part in parts.values():
             part["bound_us"] = max(part["bytes"] / bandwidth, part["flops"] / peak) * 1e6

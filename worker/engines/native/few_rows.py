@@ -3,7 +3,8 @@ as a Triton kernel whose programs each stream their rows of the weight once for 
 half precision, launched with PDL (pdl.py) so that its first tile of W is read while the kernel
 before it runs. Which rows and products take it, and in which tiles, is few_rows_config's choice
 from the tables here; linear.RowLinear routes a product to it. Between layers it can hand the
-residual stream on to the next product without the norm kernel between them (HANDOFF_MOST_ROWS).
+residual stream on to the next product without the norm kernel between them (HANDOFF_MOST_ROWS),
+and past that many rows give a product in parts along K for the norm kernel to add (FEW_ROWS_SPLIT).
 """
 
 from __future__ import annotations
