@@ -109,12 +109,8 @@ engines alternated in one process (three rounds, ms a step): batch 4 / 16 / 64 0
 def few_rows_config(device: torch.device, n: int, k: int, m: int) -> tuple[int, int, int, int] | None:
     """few_rows' config for m rows of an (n, k) product on this device; None: torch's linear."""
     config = _table_config(device, n, k, m)
-    if config is None or k % FEW_ROWS_K:
-        return None
-    bn, bk, warps, stages = config
-    while k % bk:
-        bk //= 2
-    return bn, bk, warps, stages
+    bk = _k_tile(config[1], k) if config is not None else None
+    return None if bk is None else (config[0], bk, *config[2:])
 
 
 def split_config(device: torch.device, n: int, k: int, m: int) -> tuple[int, int, int, int, int] | None:
@@ -122,12 +118,17 @@ def split_config(device: torch.device, n: int, k: int, m: int) -> tuple[int, int
     adds (FEW_ROWS_SPLIT); None: not split."""
     if not HANDOFF_MOST_ROWS < m <= FEW_ROWS_LIMIT:
         return None
-    bn, bk, warps, stages, parts = next((config for narrowest, widest, deepest, config
-                                         in for_device(FEW_ROWS_SPLIT, device) or ()
-                                         if narrowest <= n <= widest and k <= deepest), (0, 0, 0, 0, 0))
+    config = next((config for narrowest, widest, deepest, config in for_device(FEW_ROWS_SPLIT, device) or ()
+                   if narrowest <= n <= widest and k <= deepest), None)
+    bk = _k_tile(config[1], k, config[4]) if config is not None else None
+    return None if bk is None else (config[0], bk, *config[2:])
+
+
+def _k_tile(bk: int, k: int, parts: int = 1) -> int | None:
+    """A config's K tile halved, down to FEW_ROWS_K, until `parts` of them divide K; None if none do."""
     while bk > FEW_ROWS_K and k % (parts * bk):
         bk //= 2
-    return (bn, bk, warps, stages, parts) if parts and k % (parts * bk) == 0 else None
+    return bk if k % (parts * bk) == 0 else None
 
 
 def _table_config(device: torch.device, n: int, k: int, m: int) -> tuple[int, int, int, int] | None:
