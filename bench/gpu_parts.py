@@ -37,7 +37,9 @@ from bench.gpu_roofline import StepModel, copy_bandwidth, matmul_peak  # noqa: E
 from bench.native_gpu import DEVICE, RESULTS, SHAPES  # noqa: E402
 from bench.structured import machine  # noqa: E402
 from worker.engines.native.attention import decode_attention, rope_store_and_decode  # noqa: E402
+from worker.engines.native import blas  # noqa: E402
 from worker.engines.native.elementwise import Elementwise  # noqa: E402
+from worker.engines.native.few_rows import FEW_ROWS_LIMIT  # noqa: E402
 from worker.engines.native.linear import RowLinear  # noqa: E402
 
 COPIES_BYTES = 200 << 20
@@ -82,15 +84,16 @@ def product(n: int, k: int, rows: int, gated: bool, adds: bool, ops: Elementwise
     norm after it adds to the residual stream (o, down), in fp32 parts where the engine splits it."""
     linears = [RowLinear(torch.nn.Linear(k, n, bias=False, device=DEVICE, dtype=torch.bfloat16))
                for _ in range(copies(2 * n * k))]
-    x = torch.randn(rows, k, device=DEVICE, dtype=torch.bfloat16)
-    split = linears[0].split(x) if adds else None  # (RowLinear.split: None where the engine runs it whole)
+    x, residual = (torch.randn(rows, width, device=DEVICE, dtype=torch.bfloat16) for width in (k, n))
+    with blas.tuning():  # as the graphs' capture chooses whether cuBLAS runs it in parts (blas.parts)
+        split = linears[0].split(x, residual) if adds else None  # (None where the engine runs it whole)
     parts = split.parts.shape[0] if split is not None else 0
     calls = [(lambda lin=lin: lin.activated(x, ops.silu_and_mul)) if gated
-             else (lambda lin=lin: lin.split(x)) if parts else (lambda lin=lin: lin(x))
+             else (lambda lin=lin: lin.split(x, residual)) if parts else (lambda lin=lin: lin(x))
              for lin in linears]
     epilogue = gated and x.is_cuda and linears[0].gives_activation(x.device, rows)  # few_rows gives the activation
-    few = linears[0]._few_rows_config(x) is not None
-    kernel = ("gemv" if rows == 1 else "few_rows" if few or parts else "cublas") if DEVICE == "cuda" else "torch"
+    few = linears[0]._few_rows_config(x) is not None or (parts and rows <= FEW_ROWS_LIMIT)
+    kernel = ("gemv" if rows == 1 else "few_rows" if few else "cublas") if DEVICE == "cuda" else "torch"
     silu = gated and kernel != "gemv" and not (few and epilogue)  # else the SiLU kernel after the product
     out = 4 * parts * rows * n if parts else 2 * rows * (n // 2 if gated else n)  # fp32 parts, or the product
     return {"us": timed(calls), "bytes": 2 * (n * k + rows * k) + out, "flops": 2 * rows * n * k,

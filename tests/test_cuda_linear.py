@@ -255,7 +255,7 @@ def test_a_product_split_along_k_gives_the_norm_its_parts():
         norm = torch.rand(n, device="cuda", dtype=dtype) + 0.5
         for rows in (32, 33, 40, 64, 65):
             x, residual = (torch.randn(rows, width, device="cuda", dtype=dtype) for width in (k, n))
-            split = linear.split(x)
+            split = linear.split(x, residual)
             config = split_config(device, n, k, rows)
             if config is None:
                 assert split is None
@@ -353,8 +353,8 @@ def test_a_model_step_past_the_hand_off_splits_its_products_for_the_norms(tiny_m
     assert splits == (split_config(torch.device("cuda"), c.hidden_size, c.intermediate_size, 40) is not None)
     split, made = RowLinear.split, []
 
-    def spy(self, x):
-        parts = split(self, x)
+    def spy(self, x, residual):
+        parts = split(self, x, residual)
         made.append(parts is not None)
         return parts
 
@@ -363,9 +363,97 @@ def test_a_model_step_past_the_hand_off_splits_its_products_for_the_norms(tiny_m
         made.clear()
         got = _model_step(model, caches, contexts, queries)
         assert made == [splits] * (2 * c.num_layers)
-        monkeypatch.setattr(RowLinear, "split", lambda self, x: None)
+        monkeypatch.setattr(RowLinear, "split", lambda self, x, residual: None)
         want = _model_step(model, caches, contexts, queries)
         assert got[0].shape == (len(contexts), c.vocab_size)
         torch.testing.assert_close(got, want, atol=5e-2, rtol=2e-2)
     if "H200" in torch.cuda.get_device_name():
         assert splits
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLAS and the Triton norm kernel run on CUDA")
+def test_cublas_in_parts_along_k_gives_the_norm_its_parts(monkeypatch):
+    """Past few_rows' rows, an o or down projection that cuBLAS runs faster in parts along K (blas.parts)
+    gives their fp32 products (blas.split), which add up to the product; the norm kernel adds them as
+    it adds few_rows' parts. The choice: the fastest of the ways timed with the norm kernel after
+    them, kept only MARGIN ahead of the whole product, made while tuning and for half precision,
+    no bias and contiguous rows alone."""
+    from worker.engines.native import blas
+    from worker.engines.native.elementwise import Elementwise
+    from worker.engines.native.linear import RowLinear
+
+    torch.manual_seed(0)
+    ops = Elementwise()
+    ops.use_triton()
+    dtype = torch.bfloat16
+    for n, k, rows in ((2048, 8192, 256), (576, 1536, 80)):
+        x, residual = (torch.randn(rows, width, device="cuda", dtype=dtype) for width in (k, n))
+        linear = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=dtype)
+        norm = torch.rand(n, device="cuda", dtype=dtype) + 0.5
+        for count in blas.SPLITS:
+            parts = blas.split(linear.weight, x, count)
+            assert parts.shape == (count, rows, n) and parts.dtype == torch.float32
+            torch.testing.assert_close(parts.sum(0), x.float() @ linear.weight.float().T, atol=2e-3, rtol=1e-3)
+            total, h = ops.add_rms_norm(parts, residual, norm, 1e-5)
+            want_total, want_h = ops.add_rms_norm(parts.sum(0).to(dtype), residual, norm, 1e-5)
+            torch.testing.assert_close(total, want_total, atol=2e-2, rtol=1e-2)
+            torch.testing.assert_close(h, want_h, atol=3e-2, rtol=2e-2)
+            if count == 2:  # one order of adding: the same bits
+                assert torch.equal(total, (parts[0] + parts[1]).to(dtype).float().add(residual.float()).to(dtype))
+        monkeypatch.setattr(blas, "_PARTS", {})
+        timings = iter([])
+        monkeypatch.setattr(blas, "device_ms", lambda run, before: next(timings))
+        monkeypatch.setattr(blas, "_faster", lambda layer, x: blas.LIBRARIES[0])  # the whole product's front end
+        for times, want in (((1.0, 0.9, 0.5), 4), ((1.0, 0.9, 0.95), 2), ((1.0, 0.98, 0.99), 1), ((0.5, 0.9, 0.6), 1)):
+            timings = iter(times * blas.ROUNDS)
+            blas._PARTS.clear()
+            assert blas.parts(linear, x, residual) == 1  # not tuning: no choice made, the whole product
+            with blas.tuning():
+                assert blas.parts(linear, x, residual) == want
+            assert blas.parts(linear, x, residual) == want  # as chosen, for that row count
+            split = RowLinear(linear).split(x, residual)
+            assert (split is None) if want == 1 else split.parts.shape == (want, rows, n)
+        timings = iter((1.0, 0.5, 0.5) * blas.ROUNDS * 4)
+        blas._PARTS.update({(x.device, dtype, rows, n, k): 4, (x.device, torch.float32, rows, n, k): 4})
+        with blas.tuning():  # never split, whatever its shape's choice: fp32, a bias, rows not contiguous
+            assert blas.parts(linear.float(), x.float(), residual.float()) == 1
+            assert blas.parts(torch.nn.Linear(k, n, device="cuda", dtype=dtype), x, residual) == 1
+            assert blas.parts(linear.to(dtype), x.t().contiguous().t(), residual) == 1
+        assert next(timings) == 1.0  # none of them timed
+    assert RowLinear(linear).split(x[:64], residual[:64]) is None  # few_rows' rows: its own split or none
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels run on CUDA")
+def test_a_model_step_past_few_rows_adds_cublas_parts_in_the_norms(tiny_model, monkeypatch):
+    """Past few_rows' rows (decodes alone, and a prompt beside them, whose last rows the model picks
+    from the parts), the o and down projections that cuBLAS runs in parts along K (blas.parts) give
+    them to the norm after them: the logits and cache writes of the whole products' path, but for
+    rounding."""
+    from worker.engines.native import blas
+    from worker.engines.native.linear import RowLinear
+    from worker.engines.native.model import load_model
+
+    folder = tiny_model("llama", hidden_size=512, intermediate_size=1024, num_attention_heads=8,
+                        num_key_value_heads=2)
+    model = load_model(folder, torch.bfloat16, torch.device("cuda"))
+    contexts = [20 + i for i in range(72)]
+    c, caches = model.config, _caches(model, 13 * len(contexts))
+    split, made = RowLinear.split, []
+
+    def spy(self, x, residual):
+        parts = split(self, x, residual)
+        made.append(None if parts is None else parts.parts.shape[0])
+        return parts
+
+    monkeypatch.setattr(RowLinear, "split", spy)
+    for queries in ([1] * 72, [1] * 71 + [9]):
+        monkeypatch.setattr(blas, "parts", lambda layer, x, residual: 2)
+        made.clear()
+        got = _model_step(model, caches, contexts, queries)
+        assert made == [2] * (2 * c.num_layers)
+        monkeypatch.setattr(blas, "parts", lambda layer, x, residual: 1)
+        made.clear()
+        want = _model_step(model, caches, contexts, queries)
+        assert made == [None] * (2 * c.num_layers)
+        assert got[0].shape == (len(contexts), c.vocab_size)
+        torch.testing.assert_close(got, want, atol=5e-2, rtol=2e-2)

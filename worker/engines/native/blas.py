@@ -1,4 +1,5 @@
-"""Which of cuBLAS's two front ends runs a product that goes to cuBLAS on CUDA.
+"""Which of cuBLAS's two front ends runs a product that goes to cuBLAS on CUDA, and whether one
+whose output a norm kernel adds to the residual stream runs in parts along K (`parts`).
 
 torch sends a bf16 product to cublasGemmEx ("cublas", its default) or to cublasLt ("cublaslt"),
 and each picks its own kernel for a shape: on an H200 (one product over 8 copies of its weight in a
@@ -10,6 +11,16 @@ qkv projection at 256 rows 5.20 against 4.11; most others within 2%. In a later 
 decode graphs' capture times both for each product and row count (`tuning`) and keeps the faster.
 Products run eagerly (prompts) take the choice made for their row count, where a graph's capture
 made one, else torch's default.
+
+Past few_rows' rows (64) an o or down projection of few outputs gives cuBLAS few tiles to spread
+over the SMs: the Llama-1B shape's down projection (2,048 x 8,192) at 256 rows is 32 tiles of 128 x
+128, each down all of K. Its K split in parts, one strided-batched GEMM with fp32 outputs (`split`),
+the norm kernel after it adds the parts as it adds few_rows' (elementwise._norm_triton). On an H200,
+each product and its norm kernel over 16 (1B), 8 or 4 (8B) layers' weights in a CUDA graph, us a
+layer at 128 / 192 / 256 rows, whole against the fastest of 2 and 4 parts: 1B down 18.2 / 23.9 /
+24.6 against 16.9 / 18.3 / 21.3, 8B down 39.4 / 47.9 / 51.1 against 37.6 / 41.1 / 50.5, 8B o
+16.7 / 21.3 / 21.0 against 16.1 / 17.8 / 20.6; the 1B o 8.1 / 8.8 / 9.1 against 8.2 / 8.9 / 9.6.
+No rule of shapes fits that either, so the capture times each way too.
 """
 
 from __future__ import annotations
@@ -26,7 +37,12 @@ ROUNDS, CALLS = 3, 10
 HOLD_CYCLES = 2_000_000
 """The spin that holds the stream while a timing's calls are queued (~1 ms), longer where that was short."""
 
+SPLITS = (2, 4)
+"""The parts along K `parts` times besides the whole product; each part's K a multiple of SPLIT_K."""
+SPLIT_K = 64
+
 _CHOSEN: dict[tuple, str] = {}
+_PARTS: dict[tuple, int] = {}
 _TUNING = False
 
 
@@ -53,6 +69,52 @@ def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         return layer(x)
     with _library(library):
         return layer(x)
+
+
+def parts(layer: nn.Linear, x: torch.Tensor, residual: torch.Tensor) -> int:
+    """How many parts along K x's product runs in, its output going to the norm kernel that adds it
+    to `residual`: 1, through linear(), or SPLITS' (split()). Chosen while tuning by timing that
+    kernel after the product each way (a split kept where it is MARGIN faster); elsewhere the choice
+    made for its shape and row count, or 1. Half precision only, no bias, x's rows contiguous."""
+    n, k = layer.weight.shape
+    if layer.bias is not None or x.dtype not in (torch.bfloat16, torch.float16) or x.stride() != (k, 1):
+        return 1
+    key = (x.device, x.dtype, x.shape[0], n, k)
+    chosen = _PARTS.get(key)
+    if chosen is None and _TUNING and not torch.cuda.is_current_stream_capturing():
+        chosen = _PARTS[key] = _fastest_parts(layer, x, residual)
+    return chosen or 1
+
+
+def split(weight: torch.Tensor, x: torch.Tensor, parts: int) -> torch.Tensor:
+    """x (M, K) @ weight (N, K).T as (parts, M, N) fp32, the products of K's parts, in one
+    strided-batched GEMM over views of x and the weight."""
+    (m, k), n = x.shape, weight.shape[0]
+    return torch.bmm(x.view(m, parts, k // parts).transpose(0, 1), weight.view(n, parts, k // parts).permute(1, 2, 0),
+                     out_dtype=torch.float32)
+
+
+def _fastest_parts(layer: nn.Linear, x: torch.Tensor, residual: torch.Tensor) -> int:
+    """parts()'s choice: each way timed with the norm kernel after it (elementwise's), as _faster
+    times a product, alternated, the median of each one's rounds."""
+    from worker.engines.native.elementwise import _norm_triton
+
+    rows, weight = torch.randn_like(x), torch.ones(layer.weight.shape[0], dtype=x.dtype, device=x.device)
+    flush = torch.empty(2 * torch.cuda.get_device_properties(x.device).L2_cache_size, dtype=torch.uint8,
+                        device=x.device)
+    k = layer.weight.shape[1]
+    ways = [1] + [count for count in SPLITS if k % (count * SPLIT_K) == 0]
+    runs = {count: (lambda count=count: _norm_triton(split(layer.weight, rows, count) if count > 1
+                                                     else linear(layer, rows), residual, weight, 1e-6))
+            for count in ways}
+    times: dict[int, list[float]] = {count: [] for count in ways}
+    for _ in range(ROUNDS):
+        for count, run in runs.items():
+            run()
+            times[count].append(device_ms(run, flush.amax))
+    median = {count: sorted(spent)[ROUNDS // 2] for count, spent in times.items()}
+    fastest = min(median, key=median.get)
+    return fastest if median[fastest] < median[1] * (1 - MARGIN) else 1
 
 
 @contextlib.contextmanager

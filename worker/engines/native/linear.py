@@ -188,14 +188,18 @@ class RowLinear(nn.Module):
         return Sum(*few_rows(x, self.linear.weight, self.linear.bias, *config, residual=residual, next_norm=next_norm),
                    next_norm)
 
-    def split(self, x: torch.Tensor) -> Parts | None:
-        """linear(x) as Parts, for the norm after it to add (few_rows.FEW_ROWS_SPLIT), where few_rows
-        splits x's product; else None."""
+    def split(self, x: torch.Tensor, residual: torch.Tensor) -> Parts | None:
+        """linear(x) as Parts, for the norm after it to add to `residual`: where few_rows splits x's
+        product (few_rows.FEW_ROWS_SPLIT), or past its rows where cuBLAS runs it faster in parts
+        (blas.parts); else None."""
         weight = self.linear.weight
-        config = split_config(x.device, *weight.shape, x.shape[0]) if self._few_rows_fit(x) else None
-        if config is None:
+        if self._few_rows_fit(x):
+            config = split_config(x.device, *weight.shape, x.shape[0])
+            return Parts(few_rows(x, weight, self.linear.bias, *config[:4], parts=config[4])) if config else None
+        if not x.is_cuda or x.shape[0] <= FEW_ROWS_LIMIT:
             return None
-        return Parts(few_rows(x, weight, self.linear.bias, *config[:4], parts=config[4]))
+        parts = blas.parts(self.linear, x, residual)
+        return Parts(blas.split(weight, x, parts)) if parts > 1 else None
 
     def after_norm(self, x: Sum, eps: float, silu_and_mul=None) -> torch.Tensor | None:
         """linear(rms_norm(x.total) * x.norm) in few_rows' kernel, from x.weighted and the sums of

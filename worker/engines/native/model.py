@@ -131,12 +131,12 @@ def plus(linear: nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
     """(linear(x) + residual as a Sum, None) where the product's kernel adds the residual stream
     (RowLinear.adding, at 2-32 rows on CUDA: few_rows.HANDOFF_MOST_ROWS), with what lets the
     projection after `next_norm` take it without that norm's kernel; else (linear(x), residual),
-    for the norm after it to add, linear(x) as Parts where few_rows splits it (RowLinear.split)."""
+    for the norm after it to add, linear(x) as Parts where it runs split along K (RowLinear.split)."""
     if residual is not None and isinstance(linear, RowLinear):
         summed = linear.adding(x, residual, next_norm.weight if next_norm is not None else None)
         if summed is not None:
             return summed, None
-        split = linear.split(x)
+        split = linear.split(x, residual)
         if split is not None:
             return split, residual
     return linear(x), residual
