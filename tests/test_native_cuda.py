@@ -287,3 +287,52 @@ async def test_after_the_warm_up_nothing_compiles_in_service(tiny_llama):
     finally:
         triton.knobs.runtime.jit_post_compile_hook = None
         await engine.unload_model()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton compiles its kernels on CUDA")
+async def test_after_the_warm_up_a_burst_past_the_graphs_compiles_no_lm_head(tiny_model, tmp_path):
+    """A burst of prompts too long for the graphs' rows runs eagerly, its step keeping 17-31 rows of
+    logits; a vocabulary of 8,192 or more gives the LM head few_rows' wide tiles (on an H200), which
+    no other product of the model takes, over a row count no graph has (not a multiple of 16): the
+    variant the warm-up's burst compiles (warmup.py). Nothing compiles in service."""
+    import random
+
+    import triton
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = 16384
+    folder = tiny_model("llama", vocab_size=vocab, bos_token_id=0, eos_token_id=1)
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=words, eos_token="t1", unk_token="t0").save_pretrained(folder)
+    config = load_config(None, {"HOME": str(tmp_path)}, {"engine.name": "native", "engine.model": str(folder),
+                                                         "engine.dtype": "bfloat16", "engine.device": "cuda"})
+    engine = NativeEngine(config)
+    await engine.load_model()
+    compiled, logit_rows = [], []
+    try:
+        await engine.warmup()
+        triton.knobs.runtime.jit_post_compile_hook = lambda **kw: compiled.append(kw["fn"].name) and False
+        forward = engine.model.forward  # eager steps only: the graphs replay without calling it
+
+        def counted(batch, k_cache, v_cache):
+            logits = forward(batch, k_cache, v_cache)
+            logit_rows.append(logits.shape[0])
+            return logits
+
+        engine.model.forward = counted
+        rng = random.Random(5)
+
+        async def one(index: int) -> None:
+            request = GenerationRequest(request_id=f"burst-{index}", prompt_token_ids=[rng.randrange(2, vocab) for _ in range(60)],
+                                        sampling=SamplingParams(max_tokens=2, ignore_eos=True))
+            async for _ in engine.stream_predict(request):
+                pass
+
+        await asyncio.gather(*(one(i) for i in range(23)))
+        assert any(17 <= rows < 32 for rows in logit_rows), logit_rows  # the step this test is for ran
+        assert compiled == []
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = None
+        await engine.unload_model()
