@@ -415,10 +415,13 @@ def test_cublas_in_parts_along_k_gives_the_norm_its_parts(monkeypatch):
             assert (split is None) if want == 1 else split.parts.shape == (want, rows, n)
         timings = iter((1.0, 0.5, 0.5) * blas.ROUNDS * 4)
         blas._PARTS.update({(x.device, dtype, rows, n, k): 4, (x.device, torch.float32, rows, n, k): 4})
-        with blas.tuning():  # never split, whatever its shape's choice: fp32, a bias, rows not contiguous
+        with blas.tuning():  # never split, whatever its shape's choice: fp32, a bias, x or W not contiguous
             assert blas.parts(linear.float(), x.float(), residual.float()) == 1
             assert blas.parts(torch.nn.Linear(k, n, device="cuda", dtype=dtype), x, residual) == 1
             assert blas.parts(linear.to(dtype), x.t().contiguous().t(), residual) == 1
+            strided = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=dtype)
+            strided.weight = torch.nn.Parameter(torch.empty(k, n, device="cuda", dtype=dtype).t())
+            assert blas.parts(strided, x, residual) == 1
         assert next(timings) == 1.0  # none of them timed
     assert RowLinear(linear).split(x[:64], residual[:64]) is None  # few_rows' rows: its own split or none
 

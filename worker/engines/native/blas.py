@@ -75,9 +75,11 @@ def parts(layer: nn.Linear, x: torch.Tensor, residual: torch.Tensor) -> int:
     """How many parts along K x's product runs in, its output going to the norm kernel that adds it
     to `residual`: 1, through linear(), or SPLITS' (split()). Chosen while tuning by timing that
     kernel after the product each way (a split kept where it is MARGIN faster); elsewhere the choice
-    made for its shape and row count, or 1. Half precision only, no bias, x's rows contiguous."""
+    made for its shape and row count, or 1. Half precision only, no bias, x and the weight
+    contiguous (split() views them in parts)."""
     n, k = layer.weight.shape
-    if layer.bias is not None or x.dtype not in (torch.bfloat16, torch.float16) or x.stride() != (k, 1):
+    if (layer.bias is not None or x.dtype not in (torch.bfloat16, torch.float16) or x.stride() != (k, 1)
+            or not layer.weight.is_contiguous()):
         return 1
     key = (x.device, x.dtype, x.shape[0], n, k)
     chosen = _PARTS.get(key)
