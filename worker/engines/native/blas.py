@@ -98,23 +98,15 @@ def split(weight: torch.Tensor, x: torch.Tensor, parts: int) -> torch.Tensor:
 
 def _fastest_parts(layer: nn.Linear, x: torch.Tensor, residual: torch.Tensor) -> int:
     """parts()'s choice: each way timed with the norm kernel after it (elementwise's), as _faster
-    times a product, alternated, the median of each one's rounds."""
+    times a product (_medians)."""
     from worker.engines.native.elementwise import _norm_triton
 
     rows, weight = torch.randn_like(x), torch.ones(layer.weight.shape[0], dtype=x.dtype, device=x.device)
-    flush = torch.empty(2 * torch.cuda.get_device_properties(x.device).L2_cache_size, dtype=torch.uint8,
-                        device=x.device)
     k = layer.weight.shape[1]
     ways = [1] + [count for count in SPLITS if k % (count * SPLIT_K) == 0]
-    runs = {count: (lambda count=count: _norm_triton(split(layer.weight, rows, count) if count > 1
-                                                     else linear(layer, rows), residual, weight, 1e-6))
-            for count in ways}
-    times: dict[int, list[float]] = {count: [] for count in ways}
-    for _ in range(ROUNDS):
-        for count, run in runs.items():
-            run()
-            times[count].append(device_ms(run, flush.amax))
-    median = {count: sorted(spent)[ROUNDS // 2] for count, spent in times.items()}
+    median = _medians({count: (lambda count=count: _norm_triton(split(layer.weight, rows, count) if count > 1
+                                                                else linear(layer, rows), residual, weight, 1e-6))
+                       for count in ways}, x.device)
     fastest = min(median, key=median.get)
     return fastest if median[fastest] < median[1] * (1 - MARGIN) else 1
 
@@ -147,16 +139,25 @@ def _faster(layer: nn.Linear, x: torch.Tensor) -> str:
     32, 96 and 192 cublasLt, 5/5; the 8B down at 256 cuBLAS, 5/5), but the 8B down at 32 rows,
     3.1% apart, cuBLAS four times in five."""
     rows = torch.randn_like(x)
-    flush = torch.empty(2 * torch.cuda.get_device_properties(x.device).L2_cache_size, dtype=torch.uint8,
-                        device=x.device)
-    times: dict[str, list[float]] = {name: [] for name in LIBRARIES}
-    for _ in range(ROUNDS):
-        for name in LIBRARIES:
-            with _library(name):
-                layer(rows)
-                times[name].append(device_ms(lambda: layer(rows), flush.amax))
-    default, other = (sorted(times[name])[ROUNDS // 2] for name in LIBRARIES)
+
+    def through(name: str) -> torch.Tensor:
+        with _library(name):
+            return layer(rows)
+
+    default, other = _medians({name: lambda name=name: through(name) for name in LIBRARIES}, x.device).values()
     return LIBRARIES[1] if other < default * (1 - MARGIN) else LIBRARIES[0]
+
+
+def _medians(runs: dict, device: torch.device) -> dict:
+    """Each of `runs` timed by device_ms ROUNDS times, alternated, each call after twice the L2's
+    bytes are read (_faster says why): the median ms of each, in the order of `runs`."""
+    flush = torch.empty(2 * torch.cuda.get_device_properties(device).L2_cache_size, dtype=torch.uint8, device=device)
+    times: dict = {name: [] for name in runs}
+    for _ in range(ROUNDS):
+        for name, run in runs.items():
+            run()
+            times[name].append(device_ms(run, flush.amax))
+    return {name: sorted(spent)[ROUNDS // 2] for name, spent in times.items()}
 
 
 def device_ms(run, before, calls: int = CALLS, hold: int = HOLD_CYCLES) -> float:
