@@ -58,7 +58,8 @@ async def warm_up(engine) -> None:
         await asyncio.gather(run("cached-40", shared + prompt(17, 40, vocab), 1), *shorts("greedy"))
         # 17-31 rows of logits at once, few_rows' tile of 32 rows, which no graph has (they take 2,
         # 4, 8, 16, 32, 48, 64 rows; 33-47 come beside the 32 shorts above): without it a first burst
-        # of 64 prompts compiled the LM head's on an H200 (SmolLM2, 0.35 s; test_native_warm_up.py).
+        # of 64 prompts compiled the LM head's on an H200 (SmolLM2, 0.35 s; test_native_warm_up.py
+        # checks the rows here, test_native_cuda.py a burst past the graphs in service).
         await asyncio.gather(*shorts("burst", 19))
         await run("sampled", prompt(19, 4, vocab), 2, **SAMPLED)  # sampling chooses over float logits
         await asyncio.gather(run("sampled-many", prompt(23, 4, vocab), 2, **SAMPLED), *shorts("beside-sampled"))
