@@ -36,8 +36,8 @@ sys.path.insert(0, str(REPO))
 from bench.gpu_roofline import StepModel, copy_bandwidth, matmul_peak  # noqa: E402
 from bench.native_gpu import DEVICE, RESULTS, SHAPES  # noqa: E402
 from bench.structured import machine  # noqa: E402
-from worker.engines.native.attention import decode_attention, rope_store_and_decode  # noqa: E402
 from worker.engines.native import blas  # noqa: E402
+from worker.engines.native.attention import decode_attention, rope_store_and_decode  # noqa: E402
 from worker.engines.native.elementwise import Elementwise  # noqa: E402
 from worker.engines.native.few_rows import FEW_ROWS_LIMIT  # noqa: E402
 from worker.engines.native.linear import RowLinear  # noqa: E402

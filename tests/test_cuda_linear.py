@@ -377,7 +377,7 @@ def test_cublas_in_parts_along_k_gives_the_norm_its_parts(monkeypatch):
     gives their fp32 products (blas.split), which add up to the product; the norm kernel adds them as
     it adds few_rows' parts. The choice: the fastest of the ways timed with the norm kernel after
     them, kept only MARGIN ahead of the whole product, made while tuning and for half precision,
-    no bias and contiguous rows alone."""
+    no bias, contiguous rows and a contiguous weight alone."""
     from worker.engines.native import blas
     from worker.engines.native.elementwise import Elementwise
     from worker.engines.native.linear import RowLinear
@@ -386,6 +386,9 @@ def test_cublas_in_parts_along_k_gives_the_norm_its_parts(monkeypatch):
     ops = Elementwise()
     ops.use_triton()
     dtype = torch.bfloat16
+    timings: list[float] = []  # what device_ms gives, call by call
+    monkeypatch.setattr(blas, "device_ms", lambda run, before: timings.pop(0))
+    monkeypatch.setattr(blas, "_faster", lambda layer, x: blas.LIBRARIES[0])  # the whole product's front end
     for n, k, rows in ((2048, 8192, 256), (576, 1536, 80)):
         x, residual = (torch.randn(rows, width, device="cuda", dtype=dtype) for width in (k, n))
         linear = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=dtype)
@@ -401,11 +404,8 @@ def test_cublas_in_parts_along_k_gives_the_norm_its_parts(monkeypatch):
             if count == 2:  # one order of adding: the same bits
                 assert torch.equal(total, (parts[0] + parts[1]).to(dtype).float().add(residual.float()).to(dtype))
         monkeypatch.setattr(blas, "_PARTS", {})
-        timings = iter([])
-        monkeypatch.setattr(blas, "device_ms", lambda run, before: next(timings))
-        monkeypatch.setattr(blas, "_faster", lambda layer, x: blas.LIBRARIES[0])  # the whole product's front end
         for times, want in (((1.0, 0.9, 0.5), 4), ((1.0, 0.9, 0.95), 2), ((1.0, 0.98, 0.99), 1), ((0.5, 0.9, 0.6), 1)):
-            timings = iter(times * blas.ROUNDS)
+            timings[:] = times * blas.ROUNDS
             blas._PARTS.clear()
             assert blas.parts(linear, x, residual) == 1  # not tuning: no choice made, the whole product
             with blas.tuning():
@@ -413,7 +413,7 @@ def test_cublas_in_parts_along_k_gives_the_norm_its_parts(monkeypatch):
             assert blas.parts(linear, x, residual) == want  # as chosen, for that row count
             split = RowLinear(linear).split(x, residual)
             assert (split is None) if want == 1 else split.parts.shape == (want, rows, n)
-        timings = iter((1.0, 0.5, 0.5) * blas.ROUNDS * 4)
+        timings[:] = (1.0, 0.5, 0.5) * blas.ROUNDS * 4
         blas._PARTS.update({(x.device, dtype, rows, n, k): 4, (x.device, torch.float32, rows, n, k): 4})
         with blas.tuning():  # never split, whatever its shape's choice: fp32, a bias, x or W not contiguous
             assert blas.parts(linear.float(), x.float(), residual.float()) == 1
@@ -422,7 +422,7 @@ def test_cublas_in_parts_along_k_gives_the_norm_its_parts(monkeypatch):
             strided = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=dtype)
             strided.weight = torch.nn.Parameter(torch.empty(k, n, device="cuda", dtype=dtype).t())
             assert blas.parts(strided, x, residual) == 1
-        assert next(timings) == 1.0  # none of them timed
+        assert len(timings) == 3 * blas.ROUNDS * 4  # none of them timed
     assert RowLinear(linear).split(x[:64], residual[:64]) is None  # few_rows' rows: its own split or none
 
 

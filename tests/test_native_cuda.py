@@ -325,7 +325,8 @@ async def test_after_the_warm_up_a_burst_past_the_graphs_compiles_no_lm_head(tin
         rng = random.Random(5)
 
         async def one(index: int) -> None:
-            request = GenerationRequest(request_id=f"burst-{index}", prompt_token_ids=[rng.randrange(2, vocab) for _ in range(60)],
+            ids = [rng.randrange(2, vocab) for _ in range(60)]
+            request = GenerationRequest(request_id=f"burst-{index}", prompt_token_ids=ids,
                                         sampling=SamplingParams(max_tokens=2, ignore_eos=True))
             async for _ in engine.stream_predict(request):
                 pass
