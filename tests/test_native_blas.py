@@ -22,6 +22,28 @@ def test_products_off_cuda_run_as_torch_runs_them_and_choose_nothing(chosen):
     assert chosen == {}
 
 
+def test_a_torch_that_cannot_run_the_split_says_so(monkeypatch):
+    """blas.split is torch's bmm with fp32 outputs of half-precision inputs; an older torch has no
+    such keyword and a backend may have no kernel for it: split_runs says so (and the capture then
+    times no split, blas._fastest_parts) rather than the load failing."""
+    from worker.engines.native import blas
+
+    weight, x = torch.randn(8, 128, dtype=torch.bfloat16), torch.randn(3, 128, dtype=torch.bfloat16)
+
+    def refused(error):
+        def bmm(*args, **kwargs):
+            raise error
+        return bmm
+
+    for error in (TypeError("bmm() got an unexpected keyword argument 'out_dtype'"),
+                  NotImplementedError("Could not run 'aten::bmm.dtype' with arguments from the 'CPU' backend")):
+        monkeypatch.setattr(torch, "bmm", refused(error))
+        assert not blas.split_runs(weight, x)
+    monkeypatch.setattr(torch, "bmm", lambda a, b, out_dtype: torch.matmul(a.float(), b.float()).to(out_dtype))
+    assert blas.split_runs(weight, x)
+    assert blas.split(weight, x, 2).shape == (2, 3, 8)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLAS runs on CUDA")
 def test_a_shape_is_timed_once_while_tuning_never_while_a_graph_is_captured(chosen, monkeypatch):
     """Outside tuning() nothing is timed and torch's default runs; inside, the first product of a

@@ -96,14 +96,26 @@ def split(weight: torch.Tensor, x: torch.Tensor, parts: int) -> torch.Tensor:
                      out_dtype=torch.float32)
 
 
+def split_runs(weight: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether this torch runs split() for x's dtype on x's device: an older torch has no `out_dtype`
+    for bmm (TypeError), a backend may have no kernel for it (NotImplementedError, a RuntimeError)."""
+    try:
+        split(weight, x[:1], SPLITS[0])
+    except (TypeError, RuntimeError):
+        return False
+    return True
+
+
 def _fastest_parts(layer: nn.Linear, x: torch.Tensor, residual: torch.Tensor) -> int:
     """parts()'s choice: each way timed with the norm kernel after it (elementwise's), as _faster
-    times a product (_medians)."""
+    times a product (_medians); 1 untimed where split() does not run (split_runs)."""
     from worker.engines.native.elementwise import _norm_triton
 
     rows, weight = torch.randn_like(x), torch.ones(layer.weight.shape[0], dtype=x.dtype, device=x.device)
     k = layer.weight.shape[1]
     ways = [1] + [count for count in SPLITS if k % (count * SPLIT_K) == 0]
+    if len(ways) == 1 or not split_runs(layer.weight, rows):
+        return 1
     median = _medians({count: (lambda count=count: _norm_triton(split(layer.weight, rows, count) if count > 1
                                                                 else linear(layer, rows), residual, weight, 1e-6))
                        for count in ways}, x.device)
