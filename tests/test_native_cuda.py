@@ -1,7 +1,8 @@
 """The native engine's CUDA path (these tests skip without a CUDA GPU): steps launched ahead of
 their predecessors' tokens and speculation's verify rows. Which decode graph a step runs:
-tests/test_cuda_graphs.py; the kernels themselves: tests/test_cuda_kernels.py and
-tests/test_cuda_linear.py; what the engine thread does not wait for: tests/test_cuda_waits.py."""
+tests/test_cuda_graphs.py; the kernels themselves: tests/test_cuda_kernels.py,
+tests/test_cuda_linear.py and tests/test_cuda_residual.py; what the engine thread does not wait for:
+tests/test_cuda_waits.py."""
 
 import asyncio
 

@@ -98,7 +98,7 @@ def split(weight: torch.Tensor, x: torch.Tensor, parts: int) -> torch.Tensor:
 
 def split_runs(weight: torch.Tensor, x: torch.Tensor) -> bool:
     """Whether this torch runs split() for x's dtype on x's device: an older torch has no `out_dtype`
-    for bmm (TypeError), a backend may have no kernel for it (NotImplementedError, a RuntimeError)."""
+    for bmm (TypeError), a backend may have no kernel for it (a RuntimeError)."""
     try:
         split(weight, x[:1], SPLITS[0])
     except (TypeError, RuntimeError):
