@@ -1,0 +1,65 @@
+"""bench/native_gpu.py's decode step time, read from the streams a batch's requests get: a first
+message read late, holding several tokens, must not make the steps look shorter than they were."""
+
+import asyncio
+from types import SimpleNamespace
+
+from bench import native_gpu
+
+STEP = 0.002
+
+
+class Clock:
+    now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class PacedEngine:
+    """A labelled test double: replays messages at set times on a fake clock, one step of STEP a
+    token. messages: request index -> [(time, tokens in the message)]."""
+
+    def __init__(self, clock: Clock, messages: dict[int, list[tuple[float, int]]]):
+        self.clock = clock
+        self.queues = {index: asyncio.Queue() for index in messages}
+        self.timeline = sorted((at, index, count) for index, sent in messages.items() for at, count in sent)
+
+    async def drive(self) -> None:
+        await asyncio.sleep(0)  # every request subscribed first
+        for at, index, count in self.timeline:
+            self.clock.now = at
+            self.queues[index].put_nowait(SimpleNamespace(token_ids=[7] * count))
+            for _ in range(3):  # its reader takes it before the clock moves on
+                await asyncio.sleep(0)
+        for queue in self.queues.values():
+            queue.put_nowait(None)
+
+    async def stream_predict(self, request):
+        queue = self.queues[int(request.request_id[1:].split("-")[0])]
+        while (out := await queue.get()) is not None:
+            yield out
+
+
+async def steps_of(messages: dict[int, list[tuple[float, int]]], new_tokens: int, monkeypatch) -> float:
+    clock = Clock()
+    monkeypatch.setattr(native_gpu.time, "perf_counter", clock)
+    engine = PacedEngine(clock, messages)
+    driver = asyncio.ensure_future(engine.drive())
+    result = await native_gpu.run_requests(engine, [[1]] * len(messages), new_tokens)
+    await driver
+    return result["decode_step_ms"]
+
+
+async def test_a_step_is_the_time_between_tokens(monkeypatch):
+    # Two requests in lockstep from the first step: a token each step.
+    paced = {index: [(STEP * (step + 1), 1) for step in range(10)] for index in range(2)}
+    assert abs(await steps_of(paced, 10, monkeypatch) - STEP * 1000) < 1e-9
+
+
+async def test_a_first_message_read_late_does_not_shorten_the_steps(monkeypatch):
+    # Request 1's first five tokens reach it in one message at step 5, its others a step apart: the
+    # steps still took STEP each (counted as one token's message, 2 ms read as 1.1).
+    late = [(STEP * 5, 5)] + [(STEP * (step + 1), 1) for step in range(5, 10)]
+    paced = {0: [(STEP * (step + 1), 1) for step in range(10)], 1: late}
+    assert abs(await steps_of(paced, 10, monkeypatch) - STEP * 1000) < 1e-9
