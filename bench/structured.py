@@ -22,8 +22,8 @@ import asyncio
 import json
 import os
 import shutil
-import subprocess
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
