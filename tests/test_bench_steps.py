@@ -18,27 +18,34 @@ class Clock:
 
 class PacedEngine:
     """A labelled test double: replays messages at set times on a fake clock, one step of STEP a
-    token. messages: request index -> [(time, tokens in the message)]."""
+    token. messages: request index -> [(time, tokens in the message)]. The clock moves on only once
+    the message before has been read: its reader asks for the next one."""
 
     def __init__(self, clock: Clock, messages: dict[int, list[tuple[float, int]]]):
         self.clock = clock
         self.queues = {index: asyncio.Queue() for index in messages}
+        self.read = {index: asyncio.Event() for index in messages}
+        self.subscribed = asyncio.Event()
         self.timeline = sorted((at, index, count) for index, sent in messages.items() for at, count in sent)
 
     async def drive(self) -> None:
-        await asyncio.sleep(0)  # every request subscribed first
+        await self.subscribed.wait()
         for at, index, count in self.timeline:
             self.clock.now = at
+            self.read[index].clear()
             self.queues[index].put_nowait(SimpleNamespace(token_ids=[7] * count))
-            for _ in range(3):  # its reader takes it before the clock moves on
-                await asyncio.sleep(0)
+            await self.read[index].wait()
         for queue in self.queues.values():
             queue.put_nowait(None)
 
     async def stream_predict(self, request):
-        queue = self.queues[int(request.request_id[1:].split("-")[0])]
-        while (out := await queue.get()) is not None:
+        index = int(request.request_id[1:].split("-")[0])
+        self.read[index].set()  # (nothing sent yet) its stream is open
+        if all(read.is_set() for read in self.read.values()):
+            self.subscribed.set()
+        while (out := await self.queues[index].get()) is not None:
             yield out
+            self.read[index].set()
 
 
 async def steps_of(messages: dict[int, list[tuple[float, int]]], new_tokens: int, monkeypatch) -> float:
