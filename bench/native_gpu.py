@@ -8,10 +8,12 @@ For each model shape (random weights, default RoPE; a word-level tokenizer of th
    static batch); time from start to ready;
 3. a step-time model (bench/gpu_roofline.py) at every batch: the decode step's lower bound from its
    weight + KV bytes and its FLOPs against the measured copy bandwidth and bf16 matmul rate, each run
-   as a fraction of it, and the batch's prefill (timed alone, the engine in this process) as a
-   fraction of the matmul rate; the decode steps under the torch profiler (device time by kernel,
-   the host's gaps) and the step's device floor (its graph back to back, no host between), the
-   engine in this process; the decode-attention kernel alone, split and not, by context length
+   as a fraction of it (and of that bound from both ceilings as the board holds them under its
+   power limit, bench/gpu_power.py; the SM clock and power are sampled through each run), and the
+   batch's prefill (timed alone, the engine in this process) as a fraction of the matmul rate; the
+   decode steps under the torch profiler (device time by kernel, the host's gaps) and the step's
+   device floor (its graph back to back, no host between), the engine in this process; the
+   decode-attention kernel alone, split and not, by context length
    (bench/attention_split.py), and the decode step at long contexts (1-16 sequences of 4k-32k tokens:
    the device floor against the step's bound);
 4. prefix sharing (first shape): 64 requests after one 1,024-token system prompt, cache on and off.
@@ -42,6 +44,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.attention_split import decode_attention_split, long_context_steps  # noqa: E402
+from bench.gpu_power import GpuSampler, clock, held_rates  # noqa: E402
 from bench.gpu_roofline import (DecodeProfile, StepModel, copy_bandwidth, device_floor, floor_gaps,  # noqa: E402
                                 matmul_peak, synchronize)
 from bench.structured import machine  # noqa: E402
@@ -208,11 +211,13 @@ async def prefix_sharing(folder: Path, vocab: int) -> dict:
 
 
 async def throughput(name: str, shape: dict, batches: list[int], work: Path, bandwidth: float, peak: float,
-                     prefix: bool, repeats: int) -> dict:
+                     prefix: bool, repeats: int, held: dict | None = None) -> dict:
+    """`held`: gpu_power.held_rates, the ceilings as the board holds them (CUDA)."""
     folder = work / name
     hf = make_folder(shape, torch.bfloat16, folder)
     weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
     model = StepModel(shape, bandwidth, peak)
+    held_model = StepModel(shape, held["copy_bytes_per_s"], held["matmul_flops"]) if held else None
     row = {"shape": name, **shape, "weight_bytes": weight_bytes,
            "roofline_batch1_tokens_per_s": 1000 / model.decode(1, PROMPT + NEW / 2)["bound_ms"],
            "hf_generate": {}, "native": {}, "profile": {}}
@@ -242,25 +247,34 @@ async def throughput(name: str, shape: dict, batches: list[int], work: Path, ban
             # single run of the small batches by 15% (the engine thread must keep ahead of the
             # device), and a run's tokens/s mixes its burst's prefill with its decode steps (one of
             # three batch-64 runs once made 28.8k tok/s against 42-45k).
-            runs = []
+            runs, gpus = [], []
             for _ in range(repeats):
                 prompts = [[rng.randrange(2, shape["vocab_size"]) for _ in range(PROMPT)] for _ in range(batch)]
-                runs.append(await run_requests(engine, prompts, NEW))
+                with GpuSampler() as gpu:
+                    runs.append(await run_requests(engine, prompts, NEW))
+                gpus.append(gpu.summary())
                 runs[-1].pop("outputs")
-            each = ", ".join(f"{r['tokens_per_s']:.0f} ({r['decode_step_ms']:.3f} ms)" for r in runs)
+            each = ", ".join(f"{r['tokens_per_s']:.0f} ({r['decode_step_ms']:.3f} ms{clock(g)})"
+                             for r, g in zip(runs, gpus))
             result = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
-            result["runs"] = [{key: r[key] for key in ("tokens_per_s", "decode_step_ms", "ttft_ms_max")} for r in runs]
+            result["runs"] = [{**{key: r[key] for key in ("tokens_per_s", "decode_step_ms", "ttft_ms_max")}, "gpu": g}
+                              for r, g in zip(runs, gpus)]
             # The step model at the decode's mean context.
             decode = model.decode(batch, PROMPT + NEW / 2)
             result["decode_bound"] = {**decode, "of_bound": decode["bound_ms"] / result["decode_step_ms"],
                                       "of_serial": decode["serial_ms"] / result["decode_step_ms"]}
+            if held_model is not None:  # the same bound from the ceilings the board holds
+                decode_held = held_model.decode(batch, PROMPT + NEW / 2)
+                result["held_bound"] = {**decode_held, "of_bound": decode_held["bound_ms"] / result["decode_step_ms"]}
             row["native"][batch] = result
             print(f"  {name} native batch {batch}: {result['tokens_per_s']:8.0f} tok/s (HF "
                   f"{row['hf_generate'][batch]:.0f}), TTFT p50 {result['ttft_ms_p50']:.0f} ms; runs "
                   f"{each}; decode step {result['decode_step_ms']:.3f} ms = "
                   f"{result['decode_bound']['of_bound']:.0%} of its {decode['bound_by']} bound "
                   f"{decode['bound_ms']:.3f} ms, {result['decode_bound']['of_serial']:.0%} of its serial bound "
-                  f"{decode['serial_ms']:.3f} ms", flush=True)
+                  f"{decode['serial_ms']:.3f} ms" + (f"; {result['held_bound']['of_bound']:.0%} of the bound as "
+                  f"the board holds its ceilings, {result['held_bound']['bound_ms']:.3f} ms" if held_model else ""),
+                  flush=True)
     finally:
         await engine.unload_model()
     await in_process(name, folder, shape["vocab_size"], row, model)
@@ -301,10 +315,13 @@ async def in_process(name: str, folder: Path, vocab: int, row: dict, model: Step
                   f"{steps['device_busy_ms_per_step']:.3f}, {steps['kernels_per_step']:.0f} kernels: " + "; ".join(
                       f"{k['kernel'][:32]} {k['ms_per_step']:.3f}" for k in steps["top"][:6]), flush=True)
         for batch, result in row["native"].items() if DEVICE == "cuda" else ():  # last: it writes the cache
-            floor = device_floor(engine, batch, PROMPT + NEW // 2)
+            with GpuSampler() as gpu:
+                floor = device_floor(engine, batch, PROMPT + NEW // 2, steps=200)  # long enough to be sampled
             gaps = floor_gaps(engine, batch, PROMPT + NEW // 2)
-            result["device_floor"] = {"ms": floor, "of_bound": result["decode_bound"]["bound_ms"] / floor, "gaps": gaps}
-            print(f"  {name} batch {batch}: the device alone {floor:.3f} ms a step = {result['device_floor']['of_bound']:.0%}"
+            result["device_floor"] = {"ms": floor, "of_bound": result["decode_bound"]["bound_ms"] / floor, "gaps": gaps,
+                                      "gpu": gpu.summary()}
+            print(f"  {name} batch {batch}: the device alone {floor:.3f} ms a step{clock(gpu.summary())} = "
+                  f"{result['device_floor']['of_bound']:.0%}"
                   f" of the bound; the engine's step {result['decode_step_ms']:.3f}; under the profiler kernels "
                   f"{gaps['kernels_ms']:.3f} ms, idle {gaps['idle_ms']:.3f} (before cuBLAS's GEMMs "
                   f"{gaps['idle_before_library_gemms_ms']:.3f}, theirs {gaps['library_gemms_ms']:.3f})", flush=True)
@@ -372,6 +389,10 @@ async def main() -> int:
     print(f"copy bandwidth {result['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul "
           f"{result['matmul_peak_flops'] / 1e12:.0f} TFLOP/s", flush=True)
     if DEVICE == "cuda":
+        result["held"] = held_rates()
+        print(f"as the board holds them: {result['held']['copy_bytes_per_s'] / 1e12:.2f} TB/s"
+              f"{clock(result['held']['copy_gpu'])}, {result['held']['matmul_flops'] / 1e12:.0f} TFLOP/s"
+              f"{clock(result['held']['matmul_gpu'])}", flush=True)
         result["decode_attention_split"] = decode_attention_split()
     with tempfile.TemporaryDirectory(dir=os.environ.get("CYLLM_BENCH_TMP")) as work:
         if not args.skip_equivalence:
@@ -382,7 +403,7 @@ async def main() -> int:
             result["shapes"].append(await throughput(name, SHAPES[name], batches, Path(work),
                                                      result["copy_bandwidth_bytes_per_s"], result["matmul_peak_flops"],
                                                      prefix=index == 0 and not args.skip_prefix,
-                                                     repeats=args.repeats))
+                                                     repeats=args.repeats, held=result.get("held")))
             RESULTS.mkdir(parents=True, exist_ok=True)  # written as it goes: a later shape may not fit the time
             (RESULTS / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(result, RESULTS / f"{args.name}.png")

@@ -23,7 +23,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -226,24 +225,11 @@ def machine(device: str) -> dict:
     if device == "cuda":
         import torch
 
+        from bench.gpu_power import limits
+
         info["gpu"] = torch.cuda.get_device_name(0)
-        info.update(gpu_limits())
+        info.update(limits())
     return info
-
-
-GPU_LIMITS = ("power.limit", "clocks.max.sm", "clocks.sm", "memory.total", "driver_version")
-
-
-def gpu_limits() -> dict:
-    """The first GPU's power limit, clocks (the SM's at the query: idle) and memory as nvidia-smi
-    reports them, where it runs: boards of one name differ (an H200 comes at 700 W, or 600 W as NVL),
-    and at batch 256 a Llama-8B step holds the GPU at its power limit (687-691 of 700 W)."""
-    try:
-        out = subprocess.run(["nvidia-smi", "-i", "0", f"--query-gpu={','.join(GPU_LIMITS)}", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return {}
-    return {f"gpu_{key.replace('.', '_')}": value.strip() for key, value in zip(GPU_LIMITS, out.split(","))}
 
 
 def plot(result: dict, path: Path) -> None:
