@@ -5,9 +5,10 @@ clock. A step that keeps the tensor cores and the HBM busy for seconds holds the
 limit, and the board lowers the SM clock to stay under it, by how much depending on the bits it
 moves: on an H200 (700 W), the Llama-8B shape's decode step at batch 256 over a KV cache of zeros
 ran at 1,980 MHz and 8.32 ms, over one of random bf16 at 1,500-1,530 MHz and 9.45 ms, both at
-683-688 W. So the benches record the clock and the power while they run (GpuSampler), and
-`held_rates` measures both ceilings as the board holds them: each run back to back for seconds on
-random data, the rate over the last third.
+683-688 W; nvidia-smi gives the software power cap as the reason for such a step's lower clock
+(at 57-58 C: not heat). So the benches record the clock, the power and those reasons while they
+run (GpuSampler), and `held_rates` measures both ceilings as the board holds them: each run back to
+back for seconds on random data, the rate over the last third.
 """
 
 from __future__ import annotations
@@ -35,15 +36,23 @@ def limits() -> dict:
     return {f"gpu_{key.replace('.', '_')}": value.strip() for key, value in zip(LIMITS, out.split(","))}
 
 
-class GpuSampler:
-    """nvidia-smi's SM clock and power draw of the first GPU every `period_ms` while entered, from a
-    process of its own (ended on exit); no samples where nvidia-smi does not run."""
+SLOWDOWNS = {0x1: "gpu_idle", 0x2: "applications_clocks_setting", 0x4: "sw_power_cap", 0x8: "hw_slowdown",
+             0x10: "sync_boost", 0x20: "sw_thermal_slowdown", 0x40: "hw_thermal_slowdown",
+             0x80: "hw_power_brake_slowdown", 0x100: "display_clock_setting"}
+"""nvidia-smi's clocks_event_reasons bits (NVML's nvmlClocksEventReason*): why the clock is below its most."""
 
-    QUERY = ("nvidia-smi", "-i", "0", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits")
+
+class GpuSampler:
+    """nvidia-smi's SM clock, power draw, temperature and the reasons for a lowered clock, of the
+    first GPU every `period_ms` while entered, from a process of its own (ended on exit); no samples
+    where nvidia-smi does not run."""
+
+    QUERY = ("nvidia-smi", "-i", "0", "--query-gpu=clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active",
+             "--format=csv,noheader,nounits")
 
     def __init__(self, period_ms: int = 100):
         self.period_ms = period_ms
-        self.samples: list[tuple[float, float, float]] = []  # (perf_counter, MHz, W)
+        self.samples: list[tuple[float, float, float, float, int]] = []  # (perf_counter, MHz, W, C, reason bits)
         self.process: subprocess.Popen | None = None
         self.reader: threading.Thread | None = None
 
@@ -60,10 +69,11 @@ class GpuSampler:
     def _read(self) -> None:
         for line in self.process.stdout:
             try:
-                clock, power = (float(field) for field in line.split(","))
+                clock, power, temperature, reasons = (field.strip() for field in line.split(","))
+                sample = (time.perf_counter(), float(clock), float(power), float(temperature), int(reasons, 16))
             except ValueError:  # "[N/A]", or a line of an error
                 continue
-            self.samples.append((time.perf_counter(), clock, power))
+            self.samples.append(sample)
 
     def __exit__(self, *exc) -> None:
         if self.process is None:
@@ -78,18 +88,28 @@ class GpuSampler:
 
     def summary(self, since: float = 0.0) -> dict:
         """The samples taken after perf_counter() `since`: median and least SM clock (MHz), median
-        power (W); {} where there are none."""
-        kept = [(clock, power) for at, clock, power in self.samples if at >= since]
+        power (W) and temperature (C), and every reason a sample gave for a lowered clock; {} where
+        there are none."""
+        kept = [sample[1:] for sample in self.samples if sample[0] >= since]
         if not kept:
             return {}
-        clocks = [clock for clock, _ in kept]
+        clocks = [clock for clock, *_ in kept]
+        seen = 0
+        for *_, reasons in kept:
+            seen |= reasons
         return {"sm_clock_mhz": statistics.median(clocks), "sm_clock_mhz_least": min(clocks),
-                "power_w": statistics.median(power for _, power in kept), "samples": len(kept)}
+                "power_w": statistics.median(power for _, power, _, _ in kept),
+                "temperature_c": statistics.median(temperature for _, _, temperature, _ in kept),
+                "slowdowns": [name for bit, name in SLOWDOWNS.items() if seen & bit], "samples": len(kept)}
 
 
 def clock(summary: dict) -> str:
-    """', 1,980 MHz 690 W': a GpuSampler summary for a line of output; '' where nothing was sampled."""
-    return f", {summary['sm_clock_mhz']:,.0f} MHz {summary['power_w']:.0f} W" if summary else ""
+    """', 1,530 MHz 691 W sw_power_cap': a GpuSampler summary for a line of output ('' where nothing was
+    sampled), with the reasons for a lowered clock other than an idle GPU."""
+    if not summary:
+        return ""
+    reasons = [name for name in summary["slowdowns"] if name != "gpu_idle"]
+    return f", {summary['sm_clock_mhz']:,.0f} MHz {summary['power_w']:.0f} W" + "".join(f" {name}" for name in reasons)
 
 
 def held_rates(seconds: float = 3.0) -> dict:

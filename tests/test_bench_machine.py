@@ -28,17 +28,20 @@ def test_no_nvidia_smi_or_a_failing_one_records_nothing(tmp_path, monkeypatch):
     assert gpu_power.limits() == {}
 
 
-def test_the_sampler_keeps_nvidia_smis_clock_and_power_lines(tmp_path, monkeypatch):
+def test_the_sampler_keeps_nvidia_smis_clock_power_and_slowdown_lines(tmp_path, monkeypatch):
     # The fake prints its samples and exits: the sampler reads its pipe to the end on exit.
     fake_smi(tmp_path, '[ "$5 $6" = "-lms 100" ] || exit 3\n'
-                       'printf "1980, 683.14\\n1500, 690.00\\n[N/A], [N/A]\\n1650, 700.00\\n"')
+                       'printf "1980, 683.14, 45, 0x0000000000000001\\n1500, 690.00, 60, 0x0000000000000004\\n'
+                       '[N/A], [N/A], [N/A], [N/A]\\n1650, 700.00, 62, 0x0000000000000024\\n"')
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     with gpu_power.GpuSampler() as gpu:
         gpu.process.wait()
-    assert gpu.summary() == {"sm_clock_mhz": 1650, "sm_clock_mhz_least": 1500, "power_w": 690.0, "samples": 3}
-    assert gpu_power.clock(gpu.summary()) == ", 1,650 MHz 690 W"
-    assert gpu.summary(since=gpu.samples[-1][0]) == {"sm_clock_mhz": 1650, "sm_clock_mhz_least": 1650,
-                                                      "power_w": 700.0, "samples": 1}
+    assert gpu.summary() == {"sm_clock_mhz": 1650, "sm_clock_mhz_least": 1500, "power_w": 690.0, "temperature_c": 60,
+                             "slowdowns": ["gpu_idle", "sw_power_cap", "sw_thermal_slowdown"], "samples": 3}
+    assert gpu_power.clock(gpu.summary()) == ", 1,650 MHz 690 W sw_power_cap sw_thermal_slowdown"  # idle left out
+    assert gpu.summary(since=gpu.samples[-1][0]) == {
+        "sm_clock_mhz": 1650, "sm_clock_mhz_least": 1650, "power_w": 700.0, "temperature_c": 62,
+        "slowdowns": ["sw_power_cap", "sw_thermal_slowdown"], "samples": 1}
 
 
 def test_the_sampler_has_nothing_without_nvidia_smi_or_with_a_failing_one(tmp_path, monkeypatch):
