@@ -39,7 +39,9 @@ def limits() -> dict:
 SLOWDOWNS = {0x1: "gpu_idle", 0x2: "applications_clocks_setting", 0x4: "sw_power_cap", 0x8: "hw_slowdown",
              0x10: "sync_boost", 0x20: "sw_thermal_slowdown", 0x40: "hw_thermal_slowdown",
              0x80: "hw_power_brake_slowdown", 0x100: "display_clock_setting"}
-"""nvidia-smi's clocks_event_reasons bits (NVML's nvmlClocksEventReason*): why the clock is below its most."""
+"""nvidia-smi's clocks_throttle_reasons bits (NVML's nvmlClocksEventReason*): why the clock is below
+its most. Drivers from 535 name the field clocks_event_reasons and still take the old name (580 does),
+which drivers before them know alone."""
 
 
 class GpuSampler:
@@ -47,7 +49,7 @@ class GpuSampler:
     first GPU every `period_ms` while entered, from a process of its own (ended on exit); no samples
     where nvidia-smi does not run."""
 
-    QUERY = ("nvidia-smi", "-i", "0", "--query-gpu=clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active",
+    QUERY = ("nvidia-smi", "-i", "0", "--query-gpu=clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active",
              "--format=csv,noheader,nounits")
 
     def __init__(self, period_ms: int = 100):
@@ -115,7 +117,7 @@ def clock(summary: dict) -> str:
 def held_rates(seconds: float = 3.0) -> dict:
     """The bf16 matmul rate (8192^3, random operands) and the copy bandwidth (4 GiB of random
     bytes, read + written) as the board holds them: each run back to back for `seconds`, timed by
-    events, and the rate over the runs that end in the last third, with the clock and power then."""
+    events, and the rate over the runs that end in the last third, with GpuSampler's summary of it."""
     n, size = 8192, 1 << 32
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
@@ -129,7 +131,7 @@ def held_rates(seconds: float = 3.0) -> dict:
 
 def _held(work, seconds: float) -> dict:
     """`work` back to back for `seconds`: the mean seconds a run of those ending in the last third,
-    and the GPU's clock and power over that third."""
+    and GpuSampler's summary of that third."""
     work()
     torch.cuda.synchronize()
     ends: list[tuple[float, torch.cuda.Event]] = []  # (host time at launch, event after the run)

@@ -1,5 +1,6 @@
 """What the benches' JSON records of the GPU (bench/gpu_power.py): nvidia-smi's power limit and
-clocks where it runs, nothing where it does not."""
+clocks, and its samples of the clock, power and reasons for a lowered clock through a run, where it
+runs; nothing where it does not."""
 
 import os
 import stat
