@@ -9,11 +9,11 @@ For each model shape (random weights, default RoPE; a word-level tokenizer of th
 3. a step-time model (bench/gpu_roofline.py) at every batch: the decode step's lower bound from its
    weight + KV bytes and its FLOPs against the measured copy bandwidth and bf16 matmul rate, each run
    as a fraction of it (and of that bound from both ceilings as the board holds them under its
-   power limit, bench/gpu_power.py; the SM clock and power are sampled through each run), and the
-   batch's prefill (timed alone, the engine in this process) as a fraction of the matmul rate; the
-   decode steps under the torch profiler (device time by kernel, the host's gaps) and the step's
-   device floor (its graph back to back, no host between), the engine in this process; the
-   decode-attention kernel alone, split and not, by context length
+   power limit, bench/gpu_power.py; the SM clock, power and the reasons for a lowered clock are
+   sampled through each run), and the batch's prefill (timed alone, the engine in this process) as
+   a fraction of the matmul rate; the decode steps under the torch profiler (device time by kernel,
+   the host's gaps) and the step's device floor (its graph back to back, no host between), the
+   engine in this process; the decode-attention kernel alone, split and not, by context length
    (bench/attention_split.py), and the decode step at long contexts (1-16 sequences of 4k-32k tokens:
    the device floor against the step's bound);
 4. prefix sharing (first shape): 64 requests after one 1,024-token system prompt, cache on and off.
