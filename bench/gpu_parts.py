@@ -34,7 +34,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.gpu_roofline import StepModel, copy_bandwidth, matmul_peak  # noqa: E402
-from bench.native_gpu import DEVICE, RESULTS, SHAPES  # noqa: E402
+from bench.native_burst import DEVICE, SHAPES  # noqa: E402
+from bench.native_gpu import RESULTS  # noqa: E402
 from bench.structured import machine  # noqa: E402
 from worker.engines.native import blas  # noqa: E402
 from worker.engines.native.attention import decode_attention, rope_store_and_decode  # noqa: E402

@@ -1,10 +1,11 @@
-"""bench/native_gpu.py's decode step time, read from the streams a batch's requests get: a first
-message read late, holding several tokens, must not make the steps look shorter than they were."""
+"""The GPU benches' decode step time (bench/native_burst.py), read from the streams a batch's
+requests get: a first message read late, holding several tokens, must not make the steps look
+shorter than they were."""
 
 import asyncio
 from types import SimpleNamespace
 
-from bench import native_gpu
+from bench import native_burst
 
 STEP = 0.002
 
@@ -50,10 +51,10 @@ class PacedEngine:
 
 async def steps_of(messages: dict[int, list[tuple[float, int]]], new_tokens: int, monkeypatch) -> float:
     clock = Clock()
-    monkeypatch.setattr(native_gpu.time, "perf_counter", clock)
+    monkeypatch.setattr(native_burst.time, "perf_counter", clock)
     engine = PacedEngine(clock, messages)
     driver = asyncio.ensure_future(engine.drive())
-    result = await native_gpu.run_requests(engine, [[1]] * len(messages), new_tokens)
+    result = await native_burst.run_requests(engine, [[1]] * len(messages), new_tokens)
     await driver
     return result["decode_step_ms"]
 
