@@ -52,6 +52,47 @@ def test_the_decode_launch_for_long_contexts_matches_the_gather_path(dtype):
                                    atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton decode kernel runs on CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_step_of_many_rows_splits_its_long_contexts_beside_the_others_whole(dtype):
+    """64 rows with Llama's 8 KV heads and a context past LONG_CONTEXT: the launch splits the longest
+    few (paged_decode.launch: LONG_ROWS in up to LONG_SPLITS parts) and walks the rest whole;
+    every row as the gather path gives it, twice (the arrivals back to 0), and with the rotary
+    embedding and cache write inside, the caches and output of the launch that splits none
+    (tests/test_decode_long_rows.py checks which rows, under Triton's interpreter)."""
+    from worker.engines.native import attention, paged_decode
+    from worker.engines.native.elementwise import rotate
+    from worker.engines.native.rotary import rope_and_store
+
+    torch.manual_seed(2)
+    block_size, width, kv_heads, heads, dim, rows = 16, 640, 8, 32, 64, 64
+    assert paged_decode.launch(rows, kv_heads, True) == (paged_decode.LONG_SPLITS, paged_decode.LONG_ROWS)
+    row_lens = torch.full((rows,), 256, device="cuda")
+    row_lens[[3, 40]], row_lens[[7, 9, 50]], row_lens[[11, 12]] = 10000, 3000, 0  # 3,000: tied at the bar, whole
+    tables = torch.randperm(rows * width, device="cuda").view(rows, width).to(torch.int32)
+    k_cache = torch.randn(rows * width * block_size, kv_heads, dim, device="cuda", dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(rows, heads, dim, device="cuda", dtype=dtype)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    expected = attention.gather_attention(q, k_cache, v_cache, tables, row_lens, block_size)
+    for _ in range(2):
+        got = attention.decode_attention(q, k_cache, v_cache, tables, row_lens, block_size, long=True)
+        torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
+    positions = (row_lens - 1).clamp(min=0)
+    slots = tables.gather(1, (positions // block_size)[:, None])[:, 0].long() * block_size + positions % block_size
+    new = torch.randn(rows, 2 * kv_heads, dim, device="cuda", dtype=dtype)
+    angles = torch.randn(rows, 1, dim // 2, device="cuda").repeat(1, 1, 2)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    rotated, _ = rope_and_store(q, new[:, :kv_heads], new[:, kv_heads:], cos, sin, want_k, want_v, slots, rotate)
+    want = attention.decode_attention(rotated, want_k, want_v, tables, row_lens, block_size)
+    got = attention.rope_store_and_decode(q, new[:, :kv_heads], new[:, kv_heads:], cos, sin, k_cache, v_cache, slots,
+                                          tables, row_lens, block_size, long=True)
+    torch.testing.assert_close(got, want, atol=tolerance, rtol=tolerance)
+    live = row_lens > 0  # (a padding row writes nowhere; here its slot is another row's first)
+    assert torch.equal(k_cache[slots[live]], want_k[slots[live]]) and torch.equal(v_cache[slots[live]], want_v[slots[live]])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton paged prefill kernel runs on CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_paged_prefill_matches_the_sdpa_path(dtype):

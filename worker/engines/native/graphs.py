@@ -1,6 +1,6 @@
-"""CUDA graphs of the decode step, one per padded batch size (and, at the sizes whose attention splits
-a long context in more parts than a short one, another for steps with a context past
-paged_decode.LONG_CONTEXT).
+"""CUDA graphs of the decode step, one per padded batch size (and, at the sizes whose attention launches
+otherwise for a step with a context past paged_decode.LONG_CONTEXT, another: more parts to every
+context, or the long ones split beside the others whole; paged_decode.launch).
 
 A decode step launches a few hundred small kernels; replaying them as one graph removes the CPU
 launch cost that otherwise dominates at small batches. Every graph reads the same static buffers
@@ -18,7 +18,7 @@ import torch
 from worker.engines.native import blas
 from worker.engines.native.batch import Batch
 from worker.engines.native.model import LlamaModel
-from worker.engines.native.paged_decode import LONG_CONTEXT, split_parts
+from worker.engines.native.paged_decode import LONG_CONTEXT, launch, long_rows
 from worker.engines.native.sequence import Sequence, logit_rows, pick
 
 try:
@@ -103,10 +103,10 @@ class DecodeGraphs:
         self.logits: dict[tuple[int, bool, bool], torch.Tensor] = {}
         pool = None
         side = torch.cuda.Stream(device)
-        kv_heads = model.config.num_kv_heads
+        kv_heads = self.kv_heads = model.config.num_kv_heads
         for size in reversed(self.sizes):  # largest first, so the smaller ones fit in its memory pool
             inside = triton is not None and rotates_inside(size, kv_heads, model.config.head_dim)
-            longer = triton is not None and split_parts(size, kv_heads, True) != split_parts(size, kv_heads, False)
+            longer = triton is not None and launch(size, kv_heads, True) != launch(size, kv_heads, False)
             for distinct, long in [(distinct, long) for distinct in ((False, True) if inside else (False,))
                                    for long in ((False, True) if longer else (False,))]:
                 batch = Batch(self.input_ids[:size], self.positions[:size], self.slots[:size], [], [], [],
@@ -173,7 +173,11 @@ class DecodeGraphs:
         distinct, long), as `run` takes them."""
         size = next(s for s in self.sizes if s >= n)
         distinct = distinct and (size, True, False) in self.graphs
-        return size, distinct, width * self.block_size > LONG_CONTEXT and (size, distinct, True) in self.graphs
+        long = width * self.block_size > LONG_CONTEXT and (size, distinct, True) in self.graphs
+        slots = launch(size, self.kv_heads, True)[1]
+        if long and slots:  # long rows pay only where the step has some: else it runs as a short step
+            long = long_rows(self.host.packed.numpy()[3, :n], slots) > 0
+        return size, distinct, long
 
     def run(self, n: int, width: int, input_ids: torch.Tensor | None = None, distinct: bool = False) -> torch.Tensor:
         """Logits (n, vocab) of the n one-token decodes in rows [0, n) of the host inputs, whose block

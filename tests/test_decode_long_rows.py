@@ -1,0 +1,119 @@
+"""The decode-attention kernel's long rows (paged_decode.launch): in a step of many sequences with a
+context past LONG_CONTEXT, the longest contexts split in parts beside the others whole. The kernel
+runs here on the CPU through Triton's interpreter, in a process of its own (the interpreter is
+chosen when the kernels are defined), with the launch's sizes shrunk so that a few rows make it;
+tests/test_cuda_kernels.py runs it compiled on a GPU."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="compiled on a GPU: tests/test_cuda_kernels.py")
+
+SHRUNK = """
+import torch
+import triton
+import triton.language as tl
+from worker.engines.native import paged_decode as pd
+from worker.engines.native.attention import gather_attention
+
+# 2 KV heads: 4 programs make a step "many", up to 3 long rows in up to 4 parts, long past 100 tokens
+pd.SPLIT_PROGRAMS, pd.LONG_ROWS, pd.LONG_SPLITS, pd.LONG_CONTEXT = 4, 3, 4, 100
+assert pd.launch(6, 2, True) == (4, 2) and pd.launch(6, 2, False) == (1, 0)
+
+
+def caches(lens, kv_heads=2, dim=32, block=16):
+    needs = [-(-n // block) + 1 for n in lens]
+    perm = torch.randperm(sum(needs)).to(torch.int32)
+    tables = torch.zeros(len(lens), max(needs), dtype=torch.int32)
+    at = 0
+    for row, need in enumerate(needs):
+        tables[row, :need] = perm[at:at + need]
+        at += need
+    k = torch.randn(sum(needs) * block, kv_heads, dim)
+    return k, torch.randn_like(k), tables, torch.tensor(lens, dtype=torch.int32)
+"""
+
+
+def interpreted(body: str) -> str:
+    """stdout of SHRUNK then body, run under Triton's interpreter in a process of its own."""
+    done = subprocess.run([sys.executable, "-c", SHRUNK + textwrap.dedent(body)], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"},
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_long_rows_are_the_longest_few_past_the_bar_and_each_gets_one_slot():
+    """Which rows the parts take (long_row, by slot) and which the whole-row programs leave
+    (is_long_row): past LONG_CONTEXT and a quarter of the longest, or half, or the longest, the
+    first of those bars that leaves at most LONG_ROWS, else none; in row order; a padding row (0)
+    never. The host's count (long_rows, which picks the decode graph) agrees."""
+    out = interpreted("""
+        @triton.jit
+        def pick(lens_ptr, slots_ptr, longs_ptr, batch, ROWS: tl.constexpr):
+            i = tl.program_id(0)
+            if i < 3:
+                tl.store(slots_ptr + i, pd.long_row(lens_ptr, batch, i, 100, 3, ROWS))
+            tl.store(longs_ptr + i, pd.is_long_row(lens_ptr, batch, i, 100, 3, ROWS).to(tl.int32))
+
+        for lens in ([30, 700, 5, 0, 450, 120, 20, 1000], [30, 50, 5, 0, 101, 60, 10, 20],
+                     [300, 700, 500, 260, 450, 420, 380, 1000], [500, 500, 500, 500, 90, 0, 20, 30],
+                     [900, 500, 500, 500, 90, 0, 20, 30]):
+            slots, longs = torch.full((3,), -7, dtype=torch.int32), torch.zeros(8, dtype=torch.int32)
+            pick[(8,)](torch.tensor(lens, dtype=torch.int32), slots, longs, 8, ROWS=8)
+            print(slots.tolist(), longs.tolist(), pd.long_rows(lens, 3) == int(longs.sum()))
+    """)
+    assert out.splitlines() == [
+        "[1, 4, 7] [0, 1, 0, 0, 1, 0, 0, 1] True",  # past 250, a quarter of 1,000: 120 is past 100, not that
+        "[4, -1, -1] [0, 0, 0, 0, 1, 0, 0, 0] True",  # one long row; the other slots have none
+        "[1, 7, -1] [0, 1, 0, 0, 0, 0, 0, 1] True",  # eight past 250: those past 500
+        "[-1, -1, -1] [0, 0, 0, 0, 0, 0, 0, 0] True",  # four tied: splitting three would gain nothing
+        "[0, -1, -1] [1, 0, 0, 0, 0, 0, 0, 0] True",  # four past a quarter and past half: the longest alone
+    ]
+
+
+def test_a_step_with_long_rows_splits_those_rows_and_walks_the_others_whole():
+    """Mixed contexts through the long launch, fp32, against the gather path and, to the bit, each
+    long row (here those past half the longest: launch gives 2 slots) as a launch splitting every
+    context in 4 parts gives it and every other row as the launch splitting none does (a long row
+    also walked whole would end with the whole walk's bits); twice, so every arrival went back to
+    0. With the rotary embedding and cache write inside: the caches and output the short launch
+    gives."""
+    out = interpreted("""
+        torch.manual_seed(0)
+        for lens, long in (([30, 700, 5, 0, 450, 1000], {1, 5}), ([300, 700, 500, 260, 450, 1000], {1, 5}),
+                           ([30, 50, 5, 0, 101, 60], {4})):
+            k, v, tables, row_lens = caches(lens)
+            q = torch.randn(len(lens), 8, 32)
+            pd.SPLIT_PROGRAMS = 48  # every context in 4 parts (and the arrivals made for 48 rows' heads)
+            assert pd.launch(6, 2, True) == (4, 0)
+            split = pd.paged_decode(q, k, v, tables, row_lens, 16, long=True)
+            pd.SPLIT_PROGRAMS = 4
+            whole = pd.paged_decode(q, k, v, tables, row_lens, 16, long=False)
+            want = torch.stack([split[row] if row in long else whole[row] for row in range(len(lens))])
+            for _ in range(2):
+                got = pd.paged_decode(q, k, v, tables, row_lens, 16, long=True)
+                err = (got - gather_attention(q, k, v, tables, row_lens, 16)).abs().max().item()
+                print(err < 1e-5, torch.equal(got, want), pd._ARRIVALS[torch.device("cpu")].abs().sum().item())
+        lens = [30, 700, 5, 0, 450, 1000]
+        k, v, tables, row_lens = caches(lens)
+        slots = torch.tensor([int(tables[i, max(n - 1, 0) // 16]) * 16 + max(n - 1, 0) % 16 for i, n in enumerate(lens)])
+        new = torch.randn(len(lens), 2 * 2, 32)
+        angles = torch.randn(len(lens), 16).repeat(1, 2)
+        rope = (new[:, :2], new[:, 2:], angles.cos(), angles.sin(), slots)
+        q = torch.randn(len(lens), 8, 32)
+        runs = []
+        for long in (True, False):
+            kc, vc = k.clone(), v.clone()
+            runs.append((pd.paged_decode(q, kc, vc, tables, row_lens, 16, long=long, rope=rope), kc, vc))
+        (a, ka, va), (b, kb, vb) = runs
+        print((a - b).abs().max().item() < 1e-5, torch.equal(ka, kb), torch.equal(va, vb), not torch.equal(ka, k))
+    """)
+    assert out.splitlines() == ["True True 0"] * 6 + ["True True True True"]
