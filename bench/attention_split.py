@@ -12,6 +12,10 @@ import torch
 LONG_CONTEXTS = ((1, 4096), (1, 16384), (1, 32768), (4, 16384), (16, 8192))
 """(batch, context) of the decode steps measured at long contexts: one long chat or RAG prompt, a few,
 and some at a middling length (the short ones are native_gpu.py's own runs)."""
+MIXED_CONTEXTS = ((64, 1, 32768), (256, 1, 32768), (256, 4, 8192))
+"""(batch, long rows, their context) of the decode steps measured with a few long contexts among
+short ones (SHORT_CONTEXT tokens), as a busy worker holds one long RAG prompt among chats."""
+SHORT_CONTEXT = 256
 
 
 def decode_attention_split() -> list[dict]:
@@ -57,32 +61,39 @@ def decode_attention_split() -> list[dict]:
 
 
 async def long_context_steps(folder: Path, shape: dict, model) -> list[dict]:
-    """The decode step of `batch` sequences at `context` tokens (LONG_CONTEXTS) as the device runs it
-    (gpu_roofline.device_floor: the engine's CUDA graph back to back), ms a step, against the step's
-    bound (gpu_roofline.StepModel); an engine of its own, whose contexts reach the longest."""
+    """The decode step of `batch` sequences at `context` tokens (LONG_CONTEXTS), and of a few long ones
+    among short ones (MIXED_CONTEXTS), as the device runs it (gpu_roofline.device_floor: the engine's
+    CUDA graph back to back), ms a step, against the step's bound (gpu_roofline.StepModel, at the
+    rows' mean context); an engine of its own, whose contexts reach the longest."""
     from bench.gpu_roofline import device_floor
     from worker.config_loader import load_config
     from worker.engines.native.engine import NativeEngine
 
-    longest = max(context for _, context in LONG_CONTEXTS)
-    blocks = max(batch * context for batch, context in LONG_CONTEXTS) // 16 + 64
+    cases = [(batch, [context] * batch) for batch, context in LONG_CONTEXTS] + [
+        (batch, [context] * long + [SHORT_CONTEXT] * (batch - long)) for batch, long, context in MIXED_CONTEXTS]
+    longest = max(max(contexts) for _, contexts in cases)
+    blocks = max(sum(contexts) for _, contexts in cases) // 16 + 64 + max(batch for batch, _ in cases)
     config = load_config(None, {"HOME": "/tmp"}, {
         "engine.name": "native", "engine.model": str(folder), "engine.dtype": "bfloat16",
         "engine.max_model_len": str(longest + 256),
-        "engine.args": json.dumps({"max_num_seqs": max(batch for batch, _ in LONG_CONTEXTS), "speculation": "requested",
+        "engine.args": json.dumps({"max_num_seqs": max(batch for batch, _ in cases), "speculation": "requested",
                                    "max_kv_blocks": blocks})})
     engine = NativeEngine(config)
     await engine.load_model()
     rows = []
     try:
-        for batch, context in LONG_CONTEXTS:
-            floor = device_floor(engine, batch, context)
-            bound = model.decode(batch, context)
-            rows.append({"batch": batch, "context": context, "step_ms": floor, "bound_ms": bound["bound_ms"],
+        for batch, contexts in cases:
+            floor = device_floor(engine, batch, contexts)
+            bound = model.decode(batch, sum(contexts) / batch)
+            long = sum(context > SHORT_CONTEXT for context in contexts)
+            rows.append({"batch": batch, "context": max(contexts), "step_ms": floor, "bound_ms": bound["bound_ms"],
                          "of_bound": bound["bound_ms"] / floor, "bound_by": bound["bound_by"]})
-            print(f"  {shape['num_hidden_layers']}-layer shape, batch {batch} at {context} tokens: {floor:.3f} ms a step "
-                  f"on the device, {rows[-1]['of_bound']:.0%} of its {bound['bound_by']} bound {bound['bound_ms']:.3f} ms",
-                  flush=True)
+            if long < batch:
+                rows[-1].update(long_rows=long, short_context=SHORT_CONTEXT)
+            what = (f"{long} at {max(contexts)} tokens, the others at {SHORT_CONTEXT}" if long < batch
+                    else f"at {max(contexts)} tokens")
+            print(f"  {shape['num_hidden_layers']}-layer shape, batch {batch} {what}: {floor:.3f} ms a step on the device, "
+                  f"{rows[-1]['of_bound']:.0%} of its {bound['bound_by']} bound {bound['bound_ms']:.3f} ms", flush=True)
     finally:
         await engine.unload_model()
     return rows

@@ -132,13 +132,13 @@ class DecodeProfile:
                 "rest_ms_per_step": (busy - sum(us for _, us in largest)) / 1000 / steps}
 
 
-def device_floor(engine, batch: int, context: int, steps: int = 50) -> float:
-    """ms a decode step of `batch` sequences at `context` tokens takes on the device alone: the
-    engine's CUDA graph for distinct rows, the argmax and the tokens' copy to the host, queued back
-    to back with each step's tokens fed to the next on the device, as the engine launches ahead but
-    with no engine thread between: the step when the host keeps ahead. A step beyond it is the
-    host's. Each row reads a context of its own blocks, so `batch` x `context` tokens must fit the
-    cache. It writes K/V there and rows of the graphs' host inputs that the engine keeps track
+def device_floor(engine, batch: int, context: int | list[int], steps: int = 50) -> float:
+    """ms a decode step of `batch` sequences at `context` tokens (or a list, each row's) takes on the
+    device alone: the engine's CUDA graph for distinct rows, the argmax and the tokens' copy to the
+    host, queued back to back with each step's tokens fed to the next on the device, as the engine
+    launches ahead but with no engine thread between: the step when the host keeps ahead. A step
+    beyond it is the host's. Each row reads a context of its own blocks, so every row's tokens
+    must fit the cache. It writes K/V there and rows of the graphs' host inputs that the engine keeps track
     of: run it last, on an engine about to be unloaded."""
     step = _floor_step(engine, batch, context)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -195,14 +195,18 @@ def _floor_step(engine, batch: int, context: int):
     from worker.engines.sampler import argmax
 
     graphs, block_size = engine.graphs, engine.blocks.block_size
-    per_row = -(-context // block_size)
-    if batch * per_row > engine.blocks.num_blocks:
-        raise ValueError(f"{batch} x {context} tokens do not fit the cache's {engine.blocks.num_blocks} blocks")
+    contexts = [context] * batch if isinstance(context, int) else context
+    needs = [-(-row_context // block_size) for row_context in contexts]
+    if sum(needs) > engine.blocks.num_blocks:
+        raise ValueError(f"{sum(contexts)} tokens do not fit the cache's {engine.blocks.num_blocks} blocks")
     (ids, positions, slots, lens), tables = graphs.host.packed.numpy(), graphs.host.tables.numpy()
-    for row in range(batch):
-        tables[row, :per_row] = range(row * per_row, (row + 1) * per_row)
-    ids[:batch], positions[:batch], lens[:batch] = 2, context - 1, context
-    slots[:batch] = tables[:batch, (context - 1) // block_size] * block_size + (context - 1) % block_size
+    first = 0
+    for row, (row_context, need) in enumerate(zip(contexts, needs)):
+        tables[row, :need] = range(first, first + need)
+        first += need
+        ids[row], positions[row], lens[row] = 2, row_context - 1, row_context
+        slots[row] = tables[row, (row_context - 1) // block_size] * block_size + (row_context - 1) % block_size
+    per_row = max(needs)
     tokens = [torch.full((batch,), 2, dtype=torch.long, device="cuda")]
 
     def step() -> None:
