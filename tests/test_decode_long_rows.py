@@ -43,7 +43,7 @@ def caches(lens, kv_heads=2, dim=32, block=16):
 
 def interpreted(body: str) -> str:
     """stdout of SHRUNK then body, run under Triton's interpreter in a process of its own."""
-    done = subprocess.run([sys.executable, "-c", SHRUNK + textwrap.dedent(body)], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", SHRUNK + textwrap.dedent(body)], capture_output=True, text=True, check=False,
                           timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"},
                           cwd=Path(__file__).resolve().parent.parent)
     assert done.returncode == 0, done.stderr[-3000:]

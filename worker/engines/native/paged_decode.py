@@ -138,18 +138,18 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     tile_blocks = max(1, 64 // block_size)
     # Few sequences make few programs, each walking its whole context: split every long context in
     # parts (flash-decoding), then combine them. Wide tiles where measured: the short launch's unsplit.
-    splits, long_rows = launch(batch, kv_heads, long)
+    splits, slots_long = launch(batch, kv_heads, long)
     if batch * kv_heads >= SHORT_PROGRAMS and batch * kv_heads * dim <= WIDE_TILE_LANES:
         tile_blocks *= 2
-    partial = [torch.empty(long_rows or batch, kv_heads, splits, kept, *extra, device=q.device, dtype=torch.float32)
+    partial = [torch.empty(slots_long or batch, kv_heads, splits, kept, *extra, device=q.device, dtype=torch.float32)
                for extra in ((), (), (dim,))] if splits > 1 else [out] * 3
     early = pdl.supported(q.device)
     # KV heads first: a sequence's heads run side by side, reading each token's K/V row (all its
     # heads) together. At batch 256 on an H100 that took 52.7 us a layer to 50.4 (256-token
     # contexts), 191.8 to 186.5 (1,024); batch 16, 6.6 to 6.4.
     # With long rows, the grid's second axis holds their parts first (placed first), then every row.
-    grid = (kv_heads, long_rows * splits + batch, 1) if long_rows else (kv_heads, batch, splits)
-    scan = max(256, triton.next_power_of_2(batch)) if long_rows else 1  # lengths a long row's scan reads: one compile
+    grid = (kv_heads, slots_long * splits + batch, 1) if slots_long else (kv_heads, batch, splits)
+    scan = max(256, triton.next_power_of_2(batch)) if slots_long else 1  # lengths a long row's scan reads: one compile
     _decode_kernel[grid](
         q, k_cache, v_cache, out, tables, lens, dim ** -0.5, PART_TILES, PART_SCALE, *partial,
         _arrivals(q.device) if splits > 1 else lens,
@@ -157,7 +157,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         k_cache.stride(1), tables.stride(0), new_k.stride(0), cos.stride(0),
         GROUP=group, GROUP_PAD=group_pad, KEPT=kept, HEAD_DIM=dim, BLOCK=block_size,
         TILE=block_size * tile_blocks, IEEE=q.dtype == torch.float32, SPLITS=splits, WHOLE_TILES=WHOLE_TILES,
-        COMBINE=min(COMBINE_PARTS, splits), LONG_ROWS=long_rows, ROWS=scan,
+        COMBINE=min(COMBINE_PARTS, splits), LONG_ROWS=slots_long, ROWS=scan,
         ROPE=rope is not None, PDL=early, num_warps=4, num_stages=DECODE_STAGES, launch_pdl=early)
     return out
 
@@ -305,9 +305,8 @@ if triton is not None:
         """Each row's index (ROWS,) and whether its context is long: past long_context tokens and
         past a quarter of the longest, or where that makes more than LONG_ROWS, past half of it, or
         else the longest: at most LONG_ROWS, or none (of many as long, splitting some gains nothing:
-        one taken whole still walks its context alone). A sort for the LONG_ROWS longest instead
-        (tl.sort) cost every program that ran it: Llama-1B's shape at batch 64, every context at
-        3,000 tokens, 3.15 ms a step against 2.44 with none split."""
+        one taken whole still walks its context alone). Cheaper than a sort for the LONG_ROWS
+        longest (tl.sort), which measured no faster a step."""
         rows = tl.arange(0, ROWS)
         lens = tl.load(lens_ptr + rows, mask=rows < batch, other=0)
         longest = tl.max(lens, 0)
