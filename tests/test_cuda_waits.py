@@ -41,12 +41,12 @@ def test_a_step_of_prompts_beside_decodes_is_prepared_without_waiting_for_the_on
         return Batch(ids, ids, ids, [4, 1, 3], [4, 10, 19], [[0], [1], [2, 3]],
                      torch.tensor([3, 4, 7], device="cuda"), 16)
 
-    batch().prepare(64)  # a process's first pinned allocation and copy kernel load synchronize
+    batch().prepare(64, 8)  # a process's first pinned allocation and copy kernel load synchronize
     step = batch()
     torch.cuda.synchronize()
     torch.cuda._sleep(2_000_000_000)  # ~1 s of the stream's time, before the step is prepared
     started = time.monotonic()
-    step.prepare(64)
+    step.prepare(64, 8)
     waited = time.monotonic() - started
     torch.cuda.synchronize()
     assert waited < 0.2, f"preparing the step waited {waited:.2f} s for the stream"

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="compiled on a GPU: tests/test_cuda_kernels.py")
+interpreter_only = pytest.mark.skipif(torch.cuda.is_available(), reason="compiled on a GPU: tests/test_cuda_kernels.py")
 
 SHRUNK = """
 import torch
@@ -50,6 +50,7 @@ def interpreted(body: str) -> str:
     return done.stdout
 
 
+@interpreter_only
 def test_long_rows_are_the_longest_few_past_the_bar_and_each_gets_one_slot():
     """Which rows the parts take (long_row, by slot) and which the whole-row programs leave
     (is_long_row): past LONG_CONTEXT and a quarter of the longest, or half, or the longest, the
@@ -79,6 +80,7 @@ def test_long_rows_are_the_longest_few_past_the_bar_and_each_gets_one_slot():
     ]
 
 
+@interpreter_only
 def test_a_step_with_long_rows_splits_those_rows_and_walks_the_others_whole():
     """Mixed contexts through the long launch, fp32, against the gather path and, to the bit, each
     long row (here those past half the longest: launch gives 2 slots) as a launch splitting every
@@ -117,3 +119,21 @@ def test_a_step_with_long_rows_splits_those_rows_and_walks_the_others_whole():
         print((a - b).abs().max().item() < 1e-5, torch.equal(ka, kb), torch.equal(va, vb), not torch.equal(ka, k))
     """)
     assert out.splitlines() == ["True True 0"] * 6 + ["True True True True"]
+
+
+def test_a_step_takes_the_long_launch_only_where_it_splits_a_context():
+    """Batch.prepare's choice for an eager step (paged_decode.takes_long; the decode graphs choose
+    theirs by the same rule): with Llama's 8 KV heads, few rows split every context past 2,048
+    tokens; many rows take the long launch only where it has long rows to split."""
+    from worker.engines.native.batch import Batch
+
+    def long_launch(contexts: list[int]) -> bool:
+        ids = torch.zeros(len(contexts), dtype=torch.long)
+        tables = [[0] * -(-context // 16) for context in contexts]
+        batch = Batch(ids, ids, ids, [1] * len(contexts), contexts, tables, torch.arange(len(contexts)), 16)
+        return batch.prepare(64, 8).long_contexts
+
+    assert long_launch([3000] * 4)  # 32 programs: every context in more parts
+    assert not long_launch([3000] * 64)  # none to split: the short launch, as before long rows
+    assert long_launch([32768] + [256] * 63) and long_launch([8192] * 4 + [3000] * 60)
+    assert not long_launch([256] * 64) and not long_launch([2048] * 4)

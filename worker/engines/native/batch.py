@@ -11,7 +11,7 @@ import torch
 from worker.engines.native import kernels, paged_prefill
 from worker.engines.native.attention import decode_gather
 from worker.engines.native.gemv import triton
-from worker.engines.native.paged_decode import LONG_CONTEXT
+from worker.engines.native.paged_decode import takes_long
 from worker.engines.sampler import on_device
 
 
@@ -43,9 +43,10 @@ class Batch:
     """Every row a decode of a sequence of its own (a CUDA graph's, with Triton): attention rotates and
     writes each row's K/V itself (attention.rope_store_and_decode), no row reading another's."""
     long_contexts: bool = False
-    """Some decode's context is past paged_decode.LONG_CONTEXT tokens: its attention splits contexts more."""
+    """Some decode's context is past paged_decode.LONG_CONTEXT tokens: its attention splits contexts more
+    (paged_decode.takes_long)."""
 
-    def prepare(self, head_dim: int) -> Batch:
+    def prepare(self, head_dim: int, kv_heads: int) -> Batch:
         """Per-step index work, done once here rather than in every layer."""
         device = self.input_ids.device
         offsets = torch.arange(self.block_size, device=device)
@@ -91,7 +92,7 @@ class Batch:
             self.decode_tables = on_device(tables, device, torch.int32)
             self.decode_lens = on_device([self.context_lens[i] for i in decodes], device,
                                          torch.int64 if device.type == "cuda" else torch.int32)
-            self.long_contexts = max(self.context_lens[i] for i in decodes) > LONG_CONTEXT
+            self.long_contexts = takes_long([self.context_lens[i] for i in decodes], len(decodes), kv_heads)
             in_place = (device.type == "cuda" and triton is not None) or (device.type == "cpu" and kernels.loaded())
             if not in_place:
                 self.decode_gather = decode_gather(self.decode_tables, self.decode_lens, self.block_size)

@@ -244,7 +244,7 @@ class LlamaModel(nn.Module):
         """Logits of each sequence's last token: (S, vocab), in the model's dtype (the sampler upcasts
         what it must; at batch 256 a float copy here was 4% of a decode step)."""
         if batch.prefills is None:
-            batch.prepare(self.config.head_dim)
+            batch.prepare(self.config.head_dim, self.config.num_kv_heads)
         x, cos, sin = self.ops.embed(batch.input_ids, batch.positions, self.embed_tokens.weight, self.rotations)
         if self.decode_weights is not None and not batch.prefills and not batch.fresh:
             x, residual = kernels.decode_layers(x, self.decode_weights, k_caches, v_caches, cos, sin, batch.slots,

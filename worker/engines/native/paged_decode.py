@@ -121,6 +121,18 @@ def long_rows(lens, slots: int) -> int:
     return count if count <= slots else 0
 
 
+def takes_long(lens, batch: int, kv_heads: int) -> bool:
+    """Whether a step launching `batch` decode rows with these contexts (host ints) takes the long
+    launch: some context past LONG_CONTEXT and, where that launch splits long rows, one to split
+    (long_rows). A step with none runs as a short step's: with every context past 2,048 tokens and
+    none split, the long launch was the slower (docs/benchmarks.md). Without Triton, no launch."""
+    lens = np.asarray(lens)
+    if lens.max(initial=0) <= LONG_CONTEXT:
+        return False
+    slots = launch(batch, kv_heads, True)[1] if triton is not None else 0
+    return not slots or long_rows(lens, slots) > 0
+
+
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
                  block_size: int, long: bool = False, rope: tuple | None = None) -> torch.Tensor:
     """attention.decode_attention on CUDA: q (B, H, D), tables (B, max_blocks) int32, lens (B,); `long`:
