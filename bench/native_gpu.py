@@ -288,9 +288,10 @@ def plot(result: dict, path: Path) -> None:
         ax.bar([i + 0.2 for i in x], [c["step_ms"] for c in cases], 0.4, label="native, the device alone")
         for i, c in enumerate(cases):
             ax.annotate(f"{c['of_bound']:.0%}", (i + 0.2, c["step_ms"]), ha="center", va="bottom", fontsize=8)
-        ax.set_xticks(list(x), [f"{c['batch']} x {c['context'] // 1024}k" if "long_rows" not in c else
-                                f"{c['long_rows']} x {c['context'] // 1024}k\n+ {c['batch'] - c['long_rows']} x 256"
-                                for c in cases], fontsize=7)
+        labels = [f"{c['batch']} x {c['context'] // 1024}k" if "long_rows" not in c else  # few long among short
+                  f"{c['long_rows']} x {c['context'] // 1024}k\n+{c['batch'] - c['long_rows']}\nx {c['short_context']}"
+                  for c in cases]
+        ax.set_xticks(list(x), labels, fontsize=7)
         ax.set_ylabel("ms a decode step")
         ax.set_title(f"{row['shape']}: decode at long contexts")
         ax.legend()
