@@ -23,7 +23,8 @@ import triton.language as tl
 from worker.engines.native import paged_decode as pd
 from worker.engines.native.attention import gather_attention
 
-# 2 KV heads: 4 programs make a step "many", up to 3 long rows in up to 4 parts, long past 100 tokens
+# 2 KV heads: 4 programs make a step "many"; long past 100 tokens; 3 long rows in up to 4 parts, of
+# which a launch takes 2 (its 4 arrivals count 2 rows' 2 heads: launch)
 pd.SPLIT_PROGRAMS, pd.LONG_ROWS, pd.LONG_SPLITS, pd.LONG_CONTEXT = 4, 3, 4, 100
 assert pd.launch(6, 2, True) == (4, 2) and pd.launch(6, 2, False) == (1, 0)
 
