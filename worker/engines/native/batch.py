@@ -43,8 +43,8 @@ class Batch:
     """Every row a decode of a sequence of its own (a CUDA graph's, with Triton): attention rotates and
     writes each row's K/V itself (attention.rope_store_and_decode), no row reading another's."""
     long_contexts: bool = False
-    """Some decode's context is past paged_decode.LONG_CONTEXT tokens: its attention splits contexts more
-    (paged_decode.takes_long)."""
+    """The step's decode attention takes the long launch (paged_decode.takes_long): a context past
+    paged_decode.LONG_CONTEXT tokens, every context split in more parts or its long ones split."""
 
     def prepare(self, head_dim: int, kv_heads: int) -> Batch:
         """Per-step index work, done once here rather than in every layer."""
