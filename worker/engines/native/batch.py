@@ -90,9 +90,9 @@ class Batch:
             tables = [self.block_tables[i] + [0] * (width - len(self.block_tables[i])) for i in decodes]
             # Copied from pinned memory (sampler.on_device): from a list, each waits for the step before.
             self.decode_tables = on_device(tables, device, torch.int32)
-            self.decode_lens = on_device([self.context_lens[i] for i in decodes], device,
-                                         torch.int64 if device.type == "cuda" else torch.int32)
-            self.long_contexts = takes_long([self.context_lens[i] for i in decodes], len(decodes), kv_heads)
+            lens = [self.context_lens[i] for i in decodes]
+            self.decode_lens = on_device(lens, device, torch.int64 if device.type == "cuda" else torch.int32)
+            self.long_contexts = takes_long(lens, len(decodes), kv_heads)
             in_place = (device.type == "cuda" and triton is not None) or (device.type == "cpu" and kernels.loaded())
             if not in_place:
                 self.decode_gather = decode_gather(self.decode_tables, self.decode_lens, self.block_size)

@@ -18,7 +18,7 @@ import torch
 from worker.engines.native import blas
 from worker.engines.native.batch import Batch
 from worker.engines.native.model import LlamaModel
-from worker.engines.native.paged_decode import launch, takes_long
+from worker.engines.native.paged_decode import LONG_CONTEXT, launch, takes_long
 from worker.engines.native.sequence import Sequence, logit_rows, pick
 
 try:
@@ -173,7 +173,9 @@ class DecodeGraphs:
         distinct, long), as `run` takes them."""
         size = next(s for s in self.sizes if s >= n)
         distinct = distinct and (size, True, False) in self.graphs
-        long = (size, distinct, True) in self.graphs and takes_long(self.host.packed.numpy()[3, :n], size, self.kv_heads)
+        # (a table as wide as LONG_CONTEXT holds no longer context: most steps read no lengths here)
+        long = (width * self.block_size > LONG_CONTEXT and (size, distinct, True) in self.graphs
+                and takes_long(self.host.packed.numpy()[3, :n], size, self.kv_heads))
         return size, distinct, long
 
     def run(self, n: int, width: int, input_ids: torch.Tensor | None = None, distinct: bool = False) -> torch.Tensor:
