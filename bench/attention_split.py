@@ -12,10 +12,10 @@ import torch
 LONG_CONTEXTS = ((1, 4096), (1, 16384), (1, 32768), (4, 16384), (16, 8192))
 """(batch, context) of the decode steps measured at long contexts: one long chat or RAG prompt, a few,
 and some at a middling length (the short ones are native_gpu.py's own runs)."""
-MIXED_CONTEXTS = ((64, 1, 32768), (256, 1, 32768), (256, 4, 8192))
-"""(batch, long rows, their context) of the decode steps measured with a few long contexts among
-short ones (SHORT_CONTEXT tokens), as a busy worker holds one long RAG prompt among chats."""
-SHORT_CONTEXT = 256
+MIXED_CONTEXTS = ((64, 1, 32768, 256), (256, 1, 32768, 256), (256, 4, 8192, 256), (64, 1, 32768, 3000))
+"""(batch, long rows, their context, the others' context) of the decode steps measured with a few long
+contexts among shorter ones, as a busy worker holds one long RAG prompt among chats (or among RAG
+prompts of a few thousand tokens: every context past paged_decode.LONG_CONTEXT)."""
 
 
 def decode_attention_split() -> list[dict]:
@@ -70,7 +70,7 @@ async def long_context_steps(folder: Path, shape: dict, model) -> list[dict]:
     from worker.engines.native.engine import NativeEngine
 
     cases = [(batch, [context] * batch) for batch, context in LONG_CONTEXTS] + [
-        (batch, [context] * long + [SHORT_CONTEXT] * (batch - long)) for batch, long, context in MIXED_CONTEXTS]
+        (batch, [context] * long + [others] * (batch - long)) for batch, long, context, others in MIXED_CONTEXTS]
     longest = max(max(contexts) for _, contexts in cases)
     blocks = max(sum(contexts) for _, contexts in cases) // 16 + 64 + max(batch for batch, _ in cases)
     config = load_config(None, {"HOME": "/tmp"}, {
@@ -85,12 +85,13 @@ async def long_context_steps(folder: Path, shape: dict, model) -> list[dict]:
         for batch, contexts in cases:
             floor = device_floor(engine, batch, contexts)
             bound = model.decode(batch, sum(contexts) / batch)
-            long = sum(context > SHORT_CONTEXT for context in contexts)
+            others = min(contexts)
+            long = sum(context > others for context in contexts)
             rows.append({"batch": batch, "context": max(contexts), "step_ms": floor, "bound_ms": bound["bound_ms"],
                          "of_bound": bound["bound_ms"] / floor, "bound_by": bound["bound_by"]})
-            if long < batch:
-                rows[-1].update(long_rows=long, short_context=SHORT_CONTEXT)
-            what = (f"{long} at {max(contexts)} tokens, the others at {SHORT_CONTEXT}" if long < batch
+            if 0 < long < batch:
+                rows[-1].update(long_rows=long, short_context=others)
+            what = (f"{long} at {max(contexts)} tokens, the others at {others}" if 0 < long < batch
                     else f"at {max(contexts)} tokens")
             print(f"  {shape['num_hidden_layers']}-layer shape, batch {batch} {what}: {floor:.3f} ms a step on the device, "
                   f"{rows[-1]['of_bound']:.0%} of its {bound['bound_by']} bound {bound['bound_ms']:.3f} ms", flush=True)
