@@ -20,6 +20,7 @@ from worker.config import ConfigError
 from worker.engines.base import ENDING, ModelInfo, RequestStream
 from worker.engines.detokenizer import OutputText
 from worker.engines.native import kernels as cpu_kernels
+from worker.engines.native.kernels import keep_compiled
 from worker.engines.native.ahead import launch as launch_ahead
 from worker.engines.native.batcher import Batcher
 from worker.engines.cache_events import CacheEvents
@@ -94,6 +95,8 @@ class NativeEngine(ThreadedEngine):
         dtype = DTYPES.get(engine.dtype) or (
             torch.bfloat16 if self.device.type == "cuda" or self.quantization == "int4" else torch.float32)
         kernels = cpu_kernels.load_configured(engine.kernel_dir, engine.cpu_isa) if self.device.type == "cpu" else None
+        if self.device.type == "cuda":
+            keep_compiled(engine.kernel_dir)  # Triton's kernels where the next start finds them
         cores = len(os.sched_getaffinity(0))
         torch.set_num_threads(cores)  # packing the weights for oneDNN (CPU) takes most of the load
         try:

@@ -1,4 +1,5 @@
-"""The native engine's C++ kernels for CPUs (csrc/), compiled on first use for the CPU that runs them.
+"""The native engine's C++ kernels for CPUs (csrc/), compiled on first use for the CPU that runs them;
+and where Triton keeps the kernels it compiles for GPUs (keep_compiled).
 
 One source over ATen's vector type (csrc/vec.h), built once per instruction set (engine.cpu_isa):
 avx512 (x86-64-v4), avx2 (x86-64-v3), neon (armv8.2-a) or default (plain C++), each a library of
@@ -116,6 +117,21 @@ def load_configured(kernel_dir: str, cpu_isa: str) -> str:
     if outcome.startswith("not built"):
         log.warning("CPU kernels not built; the torch paths run instead", reason=outcome, kernel_dir=kernel_dir)
     return outcome
+
+
+def keep_compiled(kernel_dir: str) -> None:
+    """Triton's compiled GPU kernels kept in engine.kernel_dir too (its `triton` folder), which the
+    compose stack's and the pod's cache volume keep across the worker's restarts; empty: Triton's
+    own cache (~/.triton). Most of a cold start on CUDA is compiling them: a 1B engine of 256 rows
+    was ready in 30-38 s with Triton's cache empty and in 7-11 s with it full (H200,
+    docs/benchmarks.md)."""
+    if not kernel_dir:
+        return
+    try:
+        from triton import knobs
+    except ImportError:  # no Triton (CPU installs): nothing to keep
+        return
+    knobs.cache.dir = str(Path(kernel_dir) / "triton")
 
 
 def loaded() -> bool:
