@@ -129,7 +129,7 @@ def keep_compiled(kernel_dir: str) -> None:
         return
     try:
         from triton import knobs
-    except ImportError:  # no Triton (CPU installs): nothing to keep
+    except ImportError:  # no Triton (CPU installs), or one without knobs (before 3.4): its own cache
         return
     knobs.cache.dir = str(Path(kernel_dir) / "triton")
 
