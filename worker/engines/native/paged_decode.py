@@ -127,8 +127,7 @@ def takes_long(lens, batch: int, kv_heads: int) -> bool:
     (long_rows). A step with none runs as a short step's: with every context past 2,048 tokens and
     none split, the long launch was the slower, its whole rows holding the registers its long
     rows' code takes (the parts' and the scan's), fewer programs a SM (1B, batch 64 at 3,000
-    tokens: 3.13 against 2.49 ms a step;
-    docs/benchmarks.md). Without Triton, no launch."""
+    tokens: 3.13 against 2.49 ms a step; docs/benchmarks.md). Without Triton, no launch."""
     lens = np.asarray(lens)
     if lens.max(initial=0) <= LONG_CONTEXT:
         return False
