@@ -126,8 +126,9 @@ def takes_long(lens, batch: int, kv_heads: int) -> bool:
     launch: some context past LONG_CONTEXT and, where that launch splits long rows, one to split
     (long_rows). A step with none runs as a short step's: with every context past 2,048 tokens and
     none split, the long launch was the slower, its whole rows holding the registers its long
-    rows' code takes (the parts' and the scan's), fewer programs a SM (1B, batch 64 at 3,000
-    tokens: 3.13 against 2.49 ms a step; docs/benchmarks.md). Without Triton, no launch."""
+    rows' code takes (the parts' and the scan's), fewer programs a SM (H200, batch 64 at 3,000
+    tokens, 1B: 2.57 against 2.48 ms a step; 8B: 10.74 against 10.43; docs/benchmarks.md). Without
+    Triton, no launch."""
     lens = np.asarray(lens)
     if lens.max(initial=0) <= LONG_CONTEXT:
         return False
@@ -241,9 +242,12 @@ if triton is not None:
         d = tl.arange(0, HEAD_DIM)
         t = tl.arange(0, TILE)
         # Before the wait: the lengths, the tables and the first tile's blocks are the step's inputs,
-        # which no kernel of the layer writes (pdl.py); the K/V in them may be this step's.
-        first_blocks = tl.load(tables_ptr + seq * stride_table + (first_tile * TILE + t) // BLOCK,
-                               mask=first_tile * TILE + t < length, other=0)
+        # which no kernel of the layer writes (pdl.py); the K/V in them may be this step's. Not the
+        # long launch's first blocks: held through its loop they took registers, fewer programs a SM
+        # (H200, 1B, 128-token tiles, 114 registers against 149; docs/benchmarks.md).
+        if LONG_ROWS == 0:
+            first_blocks = tl.load(tables_ptr + seq * stride_table + (first_tile * TILE + t) // BLOCK,
+                                   mask=first_tile * TILE + t < length, other=0)
         if ROPE:  # the step's angles and slots too
             half = tl.arange(0, HEAD_DIM // 2)
             angles = seq * stride_cos + half
@@ -276,9 +280,12 @@ if triton is not None:
         for tile in range(first_tile, last_tile):
             position = tile * TILE + t
             valid = position < length
-            later = position >= (first_tile + 1) * TILE  # (tile > first_tile, as a mask Triton's interpreter takes)
-            block = tl.load(tables_ptr + seq * stride_table + position // BLOCK, mask=valid & later, other=0)
-            block = tl.where(tile > first_tile, block, first_blocks)
+            if LONG_ROWS == 0:
+                later = position >= (first_tile + 1) * TILE  # (tile > first_tile, as a mask Triton's interpreter takes)
+                block = tl.load(tables_ptr + seq * stride_table + position // BLOCK, mask=valid & later, other=0)
+                block = tl.where(tile > first_tile, block, first_blocks)
+            else:
+                block = tl.load(tables_ptr + seq * stride_table + position // BLOCK, mask=valid, other=0)
             offsets = (block * BLOCK + position % BLOCK).to(tl.int64)[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
             k = tl.load(k_ptr + offsets, mask=valid[:, None], other=0.0)
             if IEEE:
