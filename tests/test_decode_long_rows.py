@@ -87,8 +87,9 @@ def test_a_step_with_long_rows_splits_those_rows_and_walks_the_others_whole():
     long row (here those past half the longest: launch gives 2 slots) as a launch splitting every
     context in 4 parts gives it and every other row as the launch splitting none does (a long row
     also walked whole would end with the whole walk's bits); twice, so every arrival went back to
-    0. With the rotary embedding and cache write inside: the caches and output the short launch
-    gives."""
+    0. The same bits where the programs with nothing to walk leave before the wait (LEAVE_EARLY).
+    With the rotary embedding and cache write inside: the caches and output the short launch gives,
+    those programs leaving or not."""
     out = interpreted("""
         torch.manual_seed(0)
         for lens, long in (([30, 700, 5, 0, 450, 1000], {1, 5}), ([300, 700, 500, 260, 450, 1000], {1, 5}),
@@ -101,7 +102,7 @@ def test_a_step_with_long_rows_splits_those_rows_and_walks_the_others_whole():
             pd.SPLIT_PROGRAMS = 4
             whole = pd.paged_decode(q, k, v, tables, row_lens, 16, long=False)
             want = torch.stack([split[row] if row in long else whole[row] for row in range(len(lens))])
-            for _ in range(2):
+            for pd.LEAVE_EARLY in ((), ((32, 64),), ((32, 64),)):
                 got = pd.paged_decode(q, k, v, tables, row_lens, 16, long=True)
                 err = (got - gather_attention(q, k, v, tables, row_lens, 16)).abs().max().item()
                 print(err < 1e-5, torch.equal(got, want), pd._ARRIVALS[torch.device("cpu")].abs().sum().item())
@@ -113,13 +114,14 @@ def test_a_step_with_long_rows_splits_those_rows_and_walks_the_others_whole():
         rope = (new[:, :2], new[:, 2:], angles.cos(), angles.sin(), slots)
         q = torch.randn(len(lens), 8, 32)
         runs = []
-        for long in (True, False):
+        for long, pd.LEAVE_EARLY in ((False, ()), (True, ()), (True, ((32, 64),))):
             kc, vc = k.clone(), v.clone()
             runs.append((pd.paged_decode(q, kc, vc, tables, row_lens, 16, long=long, rope=rope), kc, vc))
-        (a, ka, va), (b, kb, vb) = runs
-        print((a - b).abs().max().item() < 1e-5, torch.equal(ka, kb), torch.equal(va, vb), not torch.equal(ka, k))
+        b, kb, vb = runs[0]
+        for a, ka, va in runs[1:]:
+            print((a - b).abs().max().item() < 1e-5, torch.equal(ka, kb), torch.equal(va, vb), not torch.equal(ka, k))
     """)
-    assert out.splitlines() == ["True True 0"] * 6 + ["True True True True"]
+    assert out.splitlines() == ["True True 0"] * 9 + ["True True True True"] * 2
 
 
 def test_a_step_takes_the_long_launch_only_where_it_splits_a_context():

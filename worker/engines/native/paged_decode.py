@@ -56,6 +56,14 @@ about a microsecond each. On an H200, the kernel alone, 4 layers in a CUDA graph
 990.7 -> 71.2 (the bytes: 23.3 / 46.6), batch 256 877.3 -> 63.5 / 1,033.3 -> 103.6 (46.7 / 93.4). 8
 rows or 64 parts were no faster (batch 256, one 32k context: 69.1 with both); every row split in 16
 parts made the short rows' idle parts start and wait too (24.4 against 12.9 us with none long)."""
+LEAVE_EARLY = ((128, 64),)
+"""(head_dim, tile) of long launches whose programs with nothing to walk (the parts no long row
+takes, the rows its parts walk) leave before the PDL wait; at least one program of every launch
+still waits, so none ends before the kernel ahead. H200, engine device floors, ms a step, two
+rounds: 8B, 64-token tiles (from 64 rows), batch 256 with two 16k among 2,500-token contexts 27.666
+-> 25.847, 128 with two 16k among 1k 10.146 -> 9.845, 64 with one 32k among 256 6.825 -> 6.665;
+elsewhere they stay: 8B 128-token tiles (32 rows) 8.700 -> 8.863, 1B 64-token tiles 6.976 -> 7.566
+(batch 256, two 16k; registers 80 -> 96), 128-token tiles 0.98-1.02x (docs/benchmarks.md)."""
 SHORT_PROGRAMS = 128
 PART_TILES = 2
 """Each part of a split context walks at least this many tiles, and about sqrt(tiles x PART_SCALE):
@@ -127,8 +135,8 @@ def takes_long(lens, batch: int, kv_heads: int) -> bool:
     (long_rows). A step with none runs as a short step's: with every context past 2,048 tokens and
     none split, the long launch was the slower, its whole rows holding the registers its long
     rows' code takes (the parts' and the scan's), fewer programs a SM (H200, batch 64 at 3,000
-    tokens, 1B: 2.57 against 2.48 ms a step; 8B: 10.74 against 10.43; docs/benchmarks.md). Without
-    Triton, no launch."""
+    tokens, 1B: 2.57 against 2.48 ms a step; 8B, its idle programs leaving early: 10.37 against
+    10.33; docs/benchmarks.md). Without Triton, no launch."""
     lens = np.asarray(lens)
     if lens.max(initial=0) <= LONG_CONTEXT:
         return False
@@ -173,6 +181,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         GROUP=group, GROUP_PAD=group_pad, KEPT=kept, HEAD_DIM=dim, BLOCK=block_size,
         TILE=block_size * tile_blocks, IEEE=q.dtype == torch.float32, SPLITS=splits, WHOLE_TILES=WHOLE_TILES,
         COMBINE=min(COMBINE_PARTS, splits), LONG_ROWS=slots_long, ROWS=scan,
+        LEAVE=bool(slots_long) and (dim, block_size * tile_blocks) in LEAVE_EARLY,
         ROPE=rope is not None, PDL=early, num_warps=4, num_stages=DECODE_STAGES, launch_pdl=early)
     return out
 
@@ -191,15 +200,16 @@ if triton is not None:
                        stride_cos, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, KEPT: tl.constexpr,
                        HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr, IEEE: tl.constexpr,
                        SPLITS: tl.constexpr, WHOLE_TILES: tl.constexpr, COMBINE: tl.constexpr,
-                       LONG_ROWS: tl.constexpr, ROWS: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr):
+                       LONG_ROWS: tl.constexpr, ROWS: tl.constexpr, LEAVE: tl.constexpr, ROPE: tl.constexpr,
+                       PDL: tl.constexpr):
         """One (sequence, KV head, part of the context). A context in more than one part: each part
         writes its running max, sum and unnormalized output, shapes (B, kv_heads, SPLITS, KEPT[, D]),
         and the last part to finish combines them: in one kernel, a context too short to split
         costs no second launch. LONG_ROWS: the grid's second axis is LONG_ROWS x SPLITS parts of
         the step's long contexts (long_row), then each of the `batch` rows whole, those taken by
-        the parts doing nothing; the parts' shapes (LONG_ROWS, kv_heads, SPLITS, KEPT[, D]). ROPE:
-        q is unrotated, and the new token's k (unrotated) and v are at new_k_ptr / new_v_ptr, row
-        stride stride_nt, to be written at the row's slot."""
+        the parts doing nothing (LEAVE: leaving before the wait); the parts' shapes (LONG_ROWS,
+        kv_heads, SPLITS, KEPT[, D]). ROPE: q is unrotated, and the new token's k (unrotated) and v
+        are at new_k_ptr / new_v_ptr, row stride stride_nt, to be written at the row's slot."""
         kv_head = tl.program_id(0)
         seq = tl.program_id(1)
         split = tl.program_id(2)
@@ -238,6 +248,8 @@ if triton is not None:
                 parts = tl.where(taken, 0, tl.where(whole, 1, parts))
                 first_tile = tl.where(whole | taken, 0, first_tile)
                 last_tile = tl.where(taken, 0, tl.where(whole, num_tiles, last_tile))
+                if LEAVE and split >= parts:
+                    return
         g = tl.arange(0, GROUP_PAD)
         d = tl.arange(0, HEAD_DIM)
         t = tl.arange(0, TILE)
