@@ -21,11 +21,11 @@ share of the output tokens (speculation off) that follow an n-gram (n = speculat
 earlier in their prompt or output and followed there by the same token; n-gram proposals can have
 no more accepted.
 
-Writes bench/results/speculation_<device>[_<dtype> unless float32].json and .png.
+Writes bench/results/speculation_<device>[_<dtype> unless float32].json and .png (or --name's).
 
     python bench/speculation.py [--device cpu|cuda] [--batches 1,8] [--repeats 3] [--max-tokens 128]
                                 [--passes 1] [--model NAME|FOLDER] [--dtype float32|bfloat16] [--args JSON]
-                                [--workloads rag,rewrite,chat] [--random-weights]
+                                [--workloads rag,rewrite,chat] [--random-weights] [--name NAME]
 
 --random-weights: the text is noise and what repeats is whatever the random model loops on, so it
 measures the mechanism's cost and gain on a device, not a workload's acceptance.
@@ -106,6 +106,7 @@ def main() -> int:
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--random-weights", action="store_true",
                         help="the model's config and tokenizer with new weights (a GPU host the weights cannot reach)")
+    parser.add_argument("--name", help="the results' file name, without .json / .png (speculation_<device>[_<dtype>])")
     options = parser.parse_args()
     folder = model_folder(options.model)
     batches = [int(b) for b in options.batches.split(",")]
@@ -120,7 +121,8 @@ def main() -> int:
               "max_tokens": options.max_tokens, "passes": options.passes, "greedy": True, "settings": settings, "rows": rows,
               "targets": {"repeating_batch_1": 1.8, "non_repeating": 0.97}}
     RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = RESULTS / (f"speculation_{options.device}" + ("" if options.dtype == "float32" else f"_{options.dtype}"))
+    stem = RESULTS / (options.name or f"speculation_{options.device}"
+                      + ("" if options.dtype == "float32" else f"_{options.dtype}"))
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     plot(result, stem.with_suffix(".png"))
     for row in rows:
