@@ -296,6 +296,7 @@ def plot(result: dict, path: Path) -> None:
                 va="bottom", fontsize=8)
     ax.set_xticks(list(x), [f"{r['workload']}\nbatch {r['batch']}" for r in rows], fontsize=8)
     ax.set_ylabel("decode tokens/s")
+    ax.margins(y=0.15)  # room above the tallest bar for its label
     ax.set_title(f"native, {result['device']} ({result['dtype']}): "
                  f"{result['machine'].get('gpu', result['machine']['cpu'])}", fontsize=9)
     ax.legend(fontsize=8)
