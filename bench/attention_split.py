@@ -66,6 +66,7 @@ async def long_context_steps(folder: Path, shape: dict, model) -> list[dict]:
     CUDA graph back to back), ms a step, against the step's bound (gpu_roofline.StepModel, at the
     rows' mean context); an engine of its own, whose contexts reach the longest."""
     from bench.gpu_roofline import device_floor
+    from bench.native_burst import settle, unload
     from worker.config_loader import load_config
     from worker.engines.native.engine import NativeEngine
 
@@ -80,6 +81,7 @@ async def long_context_steps(folder: Path, shape: dict, model) -> list[dict]:
                                    "max_kv_blocks": blocks})})
     engine = NativeEngine(config)
     await engine.load_model()
+    settle()
     rows = []
     try:
         for batch, contexts in cases:
@@ -96,5 +98,5 @@ async def long_context_steps(folder: Path, shape: dict, model) -> list[dict]:
             print(f"  {shape['num_hidden_layers']}-layer shape, batch {batch} {what}: {floor:.3f} ms a step on the device, "
                   f"{rows[-1]['of_bound']:.0%} of its {bound['bound_by']} bound {bound['bound_ms']:.3f} ms", flush=True)
     finally:
-        await engine.unload_model()
+        await unload(engine)
     return rows

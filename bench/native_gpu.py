@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import os
 import random
@@ -47,7 +46,7 @@ from bench.attention_split import decode_attention_split, long_context_steps  # 
 from bench.gpu_power import GpuSampler, clock, held_rates  # noqa: E402
 from bench.gpu_roofline import (DecodeProfile, StepModel, copy_bandwidth, device_floor, floor_gaps,  # noqa: E402
                                 matmul_peak, synchronize)
-from bench.native_burst import DEVICE, SHAPES, engine_for, make_folder, run_requests  # noqa: E402
+from bench.native_burst import DEVICE, SHAPES, engine_for, make_folder, run_requests, settle, unload  # noqa: E402
 from bench.structured import machine  # noqa: E402
 from worker.engines.factory import runs_in_own_process  # noqa: E402
 
@@ -121,6 +120,7 @@ async def prefix_sharing(folder: Path, vocab: int) -> dict:
     for caching in (False, True):
         engine = engine_for(folder, "bfloat16", enable_prefix_caching=caching)
         await engine.load_model()
+        settle()
         try:
             await run_requests(engine, [system + [5, 6, 7]], 4)  # the system prompt seen once before
             result = await run_requests(engine, prompts, 64)
@@ -128,7 +128,7 @@ async def prefix_sharing(folder: Path, vocab: int) -> dict:
             result["prefix_hit_tokens"] = engine.batcher.prefix_hit_tokens
             rows["on" if caching else "off"] = result
         finally:
-            await engine.unload_model()
+            await unload(engine)
         print(f"  prefix cache {'on ' if caching else 'off'}: {result['tokens_per_s']:8.0f} tok/s, TTFT p50 "
               f"{result['ttft_ms_p50']:.0f} ms, p99 {result['ttft_ms_p99']:.0f} ms", flush=True)
     return rows
@@ -157,8 +157,7 @@ async def throughput(name: str, shape: dict, batches: list[int], work: Path, ban
     await engine.load_model()
     await engine.warmup()  # as the worker does before it says ready: Triton's kernels compile here
     row["native_ready_s"] = time.perf_counter() - started
-    gc.collect()
-    gc.freeze()  # as the worker does once loaded (server.py): a full collection stalls every stream
+    settle()
     rng = random.Random(3)
     try:
         await run_requests(engine, [[rng.randrange(2, shape["vocab_size"]) for _ in range(PROMPT)]] * 2, 8)
@@ -200,7 +199,7 @@ async def throughput(name: str, shape: dict, batches: list[int], work: Path, ban
                   f"the board holds its ceilings, {result['held_bound']['bound_ms']:.3f} ms" if held_model else ""),
                   flush=True)
     finally:
-        await engine.unload_model()
+        await unload(engine)
     await in_process(name, folder, shape["vocab_size"], row, model)
     if DEVICE == "cuda":
         row["long_context"] = await long_context_steps(folder, shape, model)
@@ -218,6 +217,7 @@ async def in_process(name: str, folder: Path, vocab: int, row: dict, model: Step
     engine = engine_for(folder, "bfloat16")
     await engine.load_model()
     await engine.warmup()
+    settle()
     rng = random.Random(4)
     try:
         for batch, result in row["native"].items():
@@ -250,7 +250,7 @@ async def in_process(name: str, folder: Path, vocab: int, row: dict, model: Step
                   f"{gaps['kernels_ms']:.3f} ms, idle {gaps['idle_ms']:.3f} (before cuBLAS's GEMMs "
                   f"{gaps['idle_before_library_gemms_ms']:.3f}, theirs {gaps['library_gemms_ms']:.3f})", flush=True)
     finally:
-        await engine.unload_model()
+        await unload(engine)
 
 
 def plot(result: dict, path: Path) -> None:

@@ -136,6 +136,7 @@ def main() -> int:
 
 
 async def measure(folder: Path, options, batches: list[int]) -> tuple[list[dict], dict]:
+    from bench.native_burst import settle, unload
     from worker.adapters.knowledge_base import KnowledgeBase, build_index
     from worker.adapters.rag import RagAdapter
     from worker.config_loader import load_config
@@ -148,6 +149,7 @@ async def measure(folder: Path, options, batches: list[int]) -> tuple[list[dict]
         "engine.args": json.dumps({"max_num_seqs": max(batches), **json.loads(options.args), "speculation": "requested"})})
     engine = NativeEngine(config)
     await engine.load_model()
+    settle()
     work = tempfile.TemporaryDirectory()
     texts = Path(work.name) / "kb"
     texts.mkdir()
@@ -262,7 +264,7 @@ async def measure(folder: Path, options, batches: list[int]) -> tuple[list[dict]
     finally:
         rag.close()
         work.cleanup()
-        await engine.unload_model()
+        await unload(engine)
 
 
 def lookup_bound(prompts: list[list[int]], outputs: list[list[int]], n: int) -> float:

@@ -89,6 +89,7 @@ def main() -> int:
 
 
 async def measure(folder: Path, options, batches: list[int]) -> tuple[list[dict], dict, str]:
+    from bench.native_burst import settle, unload
     from worker.config_loader import load_config
     from worker.engines.native.engine import NativeEngine
     from worker.request import ChatMessage, Constraint, GenerationRequest, SamplingParams
@@ -98,6 +99,7 @@ async def measure(folder: Path, options, batches: list[int]) -> tuple[list[dict]
         "engine.args": json.dumps({"max_num_seqs": max(batches)})})
     engine = NativeEngine(config)
     await engine.load_model()
+    settle()
 
     def request(seed: int, constrained: bool, max_tokens: int, schema: dict = SCHEMA) -> GenerationRequest:
         # Free text runs to max_tokens (ignore_eos), as the long JSON does, so the two batches keep
@@ -149,7 +151,7 @@ async def measure(folder: Path, options, batches: list[int]) -> tuple[list[dict]
             print(f"batch {batch}: ratios {[round(r, 3) for r in ratios]}", flush=True)
         return rows, {k: check[k] for k in ("lengths", "ended", "valid")}, str(engine.k_cache.dtype).removeprefix("torch.")
     finally:
-        await engine.unload_model()
+        await unload(engine)
 
 
 def valid(text: str, schema: dict) -> bool:

@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.gpu_roofline import matmul_peak  # noqa: E402
-from bench.native_burst import SHAPES, engine_for, make_folder  # noqa: E402
+from bench.native_burst import SHAPES, engine_for, make_folder, settle, unload  # noqa: E402
 from bench.structured import machine  # noqa: E402
 from worker.request import GenerationRequest, SamplingParams  # noqa: E402
 
@@ -57,6 +57,7 @@ async def shape_run(name: str, lengths: list[int], repeats: int, peak: float, wo
     torch.cuda.empty_cache()
     engine = engine_for(folder, "bfloat16")
     await engine.load_model()
+    settle()
     rng = random.Random(5)
     vocab = SHAPES[name]["vocab_size"]
     rows = []
@@ -72,7 +73,7 @@ async def shape_run(name: str, lengths: list[int], repeats: int, peak: float, wo
                          and engine.decode_rows(SimpleNamespace(num_cached=0, draft=[]), length)})
             print(json.dumps({"shape": name, **rows[-1]}), flush=True)
     finally:
-        await engine.unload_model()
+        await unload(engine)
     return {"shape": name, "rows": rows}
 
 
