@@ -212,8 +212,7 @@ def main() -> int:
     clock = Clock()
     messages.time = SimpleNamespace(monotonic=clock)  # messages.py's pacing (only) sees a step take --step-ms
     engine = load_engine(max(batches))
-    gc.collect()
-    gc.freeze()  # as the worker does once loaded
+    hosted.settle()  # as the worker does once loaded
     runs: dict[str, dict[str, list[dict]]] = {str(b): {mode: [] for mode in MODES} for b in batches}
     for round_ in range(options.rounds):
         for batch in batches:
