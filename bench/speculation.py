@@ -26,6 +26,11 @@ Writes bench/results/speculation_<device>[_<dtype> unless float32].json and .png
     python bench/speculation.py [--device cpu|cuda] [--batches 1,8] [--repeats 3] [--max-tokens 128]
                                 [--passes 1] [--model NAME|FOLDER] [--dtype float32|bfloat16] [--args JSON]
                                 [--workloads rag,rewrite,chat] [--random-weights] [--name NAME]
+                                [--isa auto|avx512|avx2|default]
+
+--isa: engine.cpu_isa, with oneDNN, ATen and MKL held to the same instruction set as the worker holds
+them (cy-llm serve): an AVX-512 CPU measured as an AVX2 one would run the same code (not its caches
+or clocks).
 
 --random-weights: the text is noise and what repeats is whatever the random model loops on, so it
 measures the mechanism's cost and gain on a device, not a workload's acceptance.
@@ -36,6 +41,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -107,7 +113,12 @@ def main() -> int:
     parser.add_argument("--random-weights", action="store_true",
                         help="the model's config and tokenizer with new weights (a GPU host the weights cannot reach)")
     parser.add_argument("--name", help="the results' file name, without .json / .png (speculation_<device>[_<dtype>])")
+    parser.add_argument("--isa", default="auto", help="engine.cpu_isa (CPU): the kernels' and libraries' instruction set")
     options = parser.parse_args()
+    from worker.deps.hardware import isa_environment, this_cpu
+
+    limits = isa_environment(options.isa, *this_cpu())
+    os.environ.update(limits)  # read by oneDNN, ATen and MKL at their first op: none has run yet
     folder = model_folder(options.model)
     batches = [int(b) for b in options.batches.split(",")]
     with tempfile.TemporaryDirectory() as work:
@@ -117,6 +128,7 @@ def main() -> int:
         random = drawn_at_random(folder)
     result = {"benchmark": "speculation", "device": options.device, "machine": machine(options.device),
               "when": time.strftime("%Y-%m-%d %H:%M"), "model": options.model, "dtype": options.dtype,
+              "cpu_isa": options.isa, "isa_limits": limits, "aten_capability": aten_capability(),
               "random_weights": random,
               "max_tokens": options.max_tokens, "passes": options.passes, "greedy": True, "settings": settings, "rows": rows,
               "targets": {"repeating_batch_1": 1.8, "non_repeating": 0.97}}
@@ -135,6 +147,13 @@ def main() -> int:
     return 0
 
 
+def aten_capability() -> str:
+    """The instruction set torch's own CPU kernels run (ATEN_CPU_CAPABILITY took effect or not)."""
+    import torch
+
+    return torch.backends.cpu.get_cpu_capability()
+
+
 async def measure(folder: Path, options, batches: list[int]) -> tuple[list[dict], dict]:
     from bench.native_burst import settle, unload
     from worker.adapters.knowledge_base import KnowledgeBase, build_index
@@ -145,7 +164,7 @@ async def measure(folder: Path, options, batches: list[int]) -> tuple[list[dict]
 
     config = load_config(None, {"HOME": "/tmp"}, {
         "engine.name": "native", "engine.model": str(folder), "engine.device": options.device,
-        "engine.dtype": options.dtype,
+        "engine.dtype": options.dtype, "engine.cpu_isa": options.isa,
         "engine.args": json.dumps({"max_num_seqs": max(batches), **json.loads(options.args), "speculation": "requested"})})
     engine = NativeEngine(config)
     await engine.load_model()
@@ -299,8 +318,9 @@ def plot(result: dict, path: Path) -> None:
     ax.set_xticks(list(x), [f"{r['workload']}\nbatch {r['batch']}" for r in rows], fontsize=8)
     ax.set_ylabel("decode tokens/s")
     ax.margins(y=0.15)  # room above the tallest bar for its label
+    limited = f", held to {result['aten_capability']}" if result.get("isa_limits") else ""
     ax.set_title(f"native, {result['device']} ({result['dtype']}): "
-                 f"{result['machine'].get('gpu', result['machine']['cpu'])}", fontsize=9)
+                 f"{result['machine'].get('gpu', result['machine']['cpu'])}{limited}", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
