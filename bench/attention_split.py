@@ -66,8 +66,9 @@ async def long_context_steps(folder: Path, shape: dict, model) -> list[dict]:
     CUDA graph back to back), ms a step, against the step's bound (gpu_roofline.StepModel, at the
     rows' mean context); an engine of its own, whose contexts reach the longest."""
     from bench.gpu_roofline import device_floor
-    from bench.native_burst import settle, unload
+    from bench.native_burst import unload
     from worker.config_loader import load_config
+    from worker.engines.hosted import settle
     from worker.engines.native.engine import NativeEngine
 
     cases = [(batch, [context] * batch) for batch, context in LONG_CONTEXTS] + [

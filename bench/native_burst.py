@@ -17,7 +17,6 @@ from bench.gpu_roofline import DecodeProfile
 from worker.config_loader import load_config
 from worker.engines.base import BaseEngine
 from worker.engines.factory import create_engine
-from worker.engines.hosted import settle  # noqa: F401 - the benches settle their engines as the worker does
 from worker.engines.native.engine import NativeEngine
 from worker.loadgen import percentile
 from worker.request import GenerationRequest, SamplingParams
@@ -52,9 +51,9 @@ def make_folder(shape: dict, dtype: torch.dtype, folder: Path):
 
 
 async def unload(engine: BaseEngine) -> None:
-    """The engine unloaded, what settle() froze once it was loaded thawed first: frozen objects are
-    never collected, and the engine's cycles would keep its memory. settle() is the worker's own
-    (hosted.settle): an engine in the bench's process, unfrozen, through 19 bursts of 1-16 tokens
+    """The engine unloaded, what hosted.settle froze once it was loaded (the worker's own, which the
+    benches call) thawed first: frozen objects are never collected, and the engine's cycles would
+    keep its memory. An engine in the bench's process, unfrozen, through 19 bursts of 1-16 tokens
     (H200, 1B shape), met two full collections of 164 and 171 ms, each holding its thread, and two
     32k-token prefills took 299 and 325 ms against 130-141; frozen, the collections took 10 and 16
     ms, the slowest prefill 144."""

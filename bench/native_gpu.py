@@ -46,9 +46,10 @@ from bench.attention_split import decode_attention_split, long_context_steps  # 
 from bench.gpu_power import GpuSampler, clock, held_rates  # noqa: E402
 from bench.gpu_roofline import (DecodeProfile, StepModel, copy_bandwidth, device_floor, floor_gaps,  # noqa: E402
                                 matmul_peak, synchronize)
-from bench.native_burst import DEVICE, SHAPES, engine_for, make_folder, run_requests, settle, unload  # noqa: E402
+from bench.native_burst import DEVICE, SHAPES, engine_for, make_folder, run_requests, unload  # noqa: E402
 from bench.structured import machine  # noqa: E402
 from worker.engines.factory import runs_in_own_process  # noqa: E402
+from worker.engines.hosted import settle  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
 PROMPT, NEW = 128, 256

@@ -155,10 +155,11 @@ def aten_capability() -> str:
 
 
 async def measure(folder: Path, options, batches: list[int]) -> tuple[list[dict], dict]:
-    from bench.native_burst import settle, unload
+    from bench.native_burst import unload
     from worker.adapters.knowledge_base import KnowledgeBase, build_index
     from worker.adapters.rag import RagAdapter
     from worker.config_loader import load_config
+    from worker.engines.hosted import settle
     from worker.engines.native.engine import NativeEngine
     from worker.request import ChatMessage, GenerationRequest, SamplingParams
 

@@ -89,8 +89,9 @@ def main() -> int:
 
 
 async def measure(folder: Path, options, batches: list[int]) -> tuple[list[dict], dict, str]:
-    from bench.native_burst import settle, unload
+    from bench.native_burst import unload
     from worker.config_loader import load_config
+    from worker.engines.hosted import settle
     from worker.engines.native.engine import NativeEngine
     from worker.request import ChatMessage, Constraint, GenerationRequest, SamplingParams
 

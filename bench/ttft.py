@@ -34,8 +34,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.gpu_roofline import matmul_peak  # noqa: E402
-from bench.native_burst import SHAPES, engine_for, make_folder, settle, unload  # noqa: E402
+from bench.native_burst import SHAPES, engine_for, make_folder, unload  # noqa: E402
 from bench.structured import machine  # noqa: E402
+from worker.engines.hosted import settle  # noqa: E402
 from worker.request import GenerationRequest, SamplingParams  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"

@@ -6,6 +6,7 @@ import asyncio
 from types import SimpleNamespace
 
 from bench import native_burst
+from worker.engines import hosted
 
 STEP = 0.002
 
@@ -87,7 +88,7 @@ async def test_a_settled_engine_is_frozen_until_it_unloads():
 
     engine = Engine()
     try:
-        native_burst.settle()
+        hosted.settle()
         assert gc.get_freeze_count() > 0
         await native_burst.unload(engine)
     finally:
