@@ -12,7 +12,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import grpc
 import pytest
@@ -111,15 +111,20 @@ def synthetic_request(max_tokens: int = 8, **fields: Any) -> pb.PredictRequest:
 
 
 class LoggedProcess:
-    """A child process writing to a log file of its own; stopped with SIGTERM, killed if it lingers."""
+    """A child process writing to a log file of its own; stopped with SIGTERM, killed if it lingers.
+    While it runs, a failing test's report carries the end of its log (pytest_runtest_makereport)."""
 
     stop_timeout_s = 10.0
+    running: ClassVar[list[LoggedProcess]] = []
+    report_chars = 20_000
 
     def __init__(self, command: list[str], env: dict[str, str] | None = None):
         self.log_path = Path(tempfile.mkstemp(prefix="cyllm-log-", dir="/tmp")[1])
         self._log = open(self.log_path, "w")
+        self.command = command
         self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
                                      env={**os.environ, **(env or {})}, cwd=REPO)
+        LoggedProcess.running.append(self)
 
     def log(self) -> str:
         self._log.flush()
@@ -133,8 +138,23 @@ class LoggedProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self in LoggedProcess.running:
+            LoggedProcess.running.remove(self)
         self._log.close()
         self.log_path.unlink(missing_ok=True)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test's report ends with the logs of the processes running then (workers, sidecars,
+    module-scoped ones included): their files are deleted when the processes stop."""
+    report = (yield).get_result()
+    if report.failed and report.when in ("setup", "call"):
+        for process in LoggedProcess.running:
+            text = process.log()
+            cut = f"[first {len(text) - process.report_chars} chars cut]\n" if len(text) > process.report_chars else ""
+            report.sections.append((f"log of pid {process.proc.pid}: {' '.join(process.command[:6])}",
+                                    cut + text[-process.report_chars:]))
 
 
 class WorkerProcess(LoggedProcess):
