@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import REPO
 from worker.config_loader import load_config
 from worker.deps.hardware import isa_environment, runnable_isas, this_cpu
 from worker.engines.native import kernels
@@ -72,12 +73,21 @@ def test_a_folder_that_cannot_be_written_says_why_and_leaves_the_torch_paths(tmp
     assert kernels.load("", "default") == "off: engine.kernel_dir is empty"
 
 
+def test_a_compiler_that_cannot_run_says_why_and_leaves_the_torch_paths(tmp_path):
+    probe = f"from worker.engines.native import kernels; print(kernels.load({str(tmp_path)!r}, 'default'))"
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False, cwd=REPO,
+                            env={**os.environ, "CXX": "false"})
+    assert result.stdout.startswith("not built: ") and "false" in result.stdout, result.stderr[-2000:]
+
+
 def test_a_lock_left_by_a_start_killed_in_the_build_holds_up_no_later_start():
-    """torch's lock file in the build folder, as a worker killed while holding it leaves it: the
-    next start clears it (under a flock of its own) instead of waiting on it forever."""
+    """torch's lock file in the build folder, as a worker killed while building leaves it (and no
+    mark of a finished build): the next start clears it (under a flock of its own) instead of
+    waiting on it forever, and marks the build finished."""
     isa = kernels.resolve("auto")
     assert kernels.load(KERNEL_DIR, isa) == "built"
-    folder = Path(KERNEL_DIR) / f"torch-{torch.__version__}-{kernels._build_key()}" / isa
+    folder = kernels.build_folder(KERNEL_DIR, isa)
+    (folder / kernels.BUILT).unlink()
     (folder / "lock").touch()
     probe = f"from worker.engines.native import kernels; print(kernels.load({KERNEL_DIR!r}, {isa!r}))"
     try:
@@ -86,6 +96,22 @@ def test_a_lock_left_by_a_start_killed_in_the_build_holds_up_no_later_start():
         stale = (folder / "lock").exists()
         (folder / "lock").unlink(missing_ok=True)
     assert result.stdout.split() == ["built"] and not stale, result.stderr
+    assert (folder / kernels.BUILT).exists()
+
+
+def test_a_finished_build_loads_as_is_in_another_environment_of_the_same_torch(tmp_path):
+    """A new environment (CI's fresh clone, a virtualenv made again elsewhere) runs the same torch
+    from another path: it finds the build by the same key and loads the library, compiling
+    nothing (here no compiler would run: CXX is false)."""
+    isa = kernels.resolve("auto")
+    assert kernels.load(KERNEL_DIR, isa) == "built"
+    (tmp_path / "torch").symlink_to(Path(torch.__file__).parent)
+    probe = ("import torch; from worker.engines.native import kernels; "
+             f"print(torch.__file__.startswith({str(tmp_path)!r}), kernels.build_folder({KERNEL_DIR!r}, {isa!r}), "
+             f"kernels.load({KERNEL_DIR!r}, {isa!r}))")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False, cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": f"{tmp_path}:{REPO}", "CXX": "false"})
+    assert result.stdout.split() == ["True", str(kernels.build_folder(KERNEL_DIR, isa)), "built"], result.stderr[-2000:]
 
 
 def test_an_isa_this_cpu_cannot_run_is_refused_and_auto_is_its_best():

@@ -5,12 +5,14 @@ One source over ATen's vector type (csrc/vec.h), built once per instruction set 
 avx512 (x86-64-v4), avx2 (x86-64-v3), neon (armv8.2-a) or default (plain C++), each a library of
 its own whose ops are torch.ops.cyllm_<isa>.*; auto takes the CPU's best. torch's cpp_extension
 builds them with the machine's C++ compiler and ninja (~10 s on 2 cores) into `engine.kernel_dir`,
-one folder per torch install, CPU, source and ISA: `-mtune=native` ties the binary to the CPU, and
-a cache folder may be shared by several machines (a volume, a home directory on NFS) or by two
-versions of cy-llm, which would otherwise rebuild over each other's library. Later starts load the
-built library in milliseconds. Where nothing can be built (no compiler), the engine runs the plain
-torch paths of attention.py and elementwise.py, layer by layer from model.py, which give the same
-greedy tokens (tests/test_native_engine.py runs both against HF) more slowly.
+one folder per torch build, CPU, source and ISA with its flags: `-mtune=native` ties the binary to
+the CPU, and a cache folder may be shared by several machines (a volume, a home directory on NFS) or
+by two versions of cy-llm, which would otherwise rebuild over each other's library. A finished
+build leaves a mark (BUILT); later starts load its library as is, in milliseconds, from whichever
+environment of that torch build they run in (a new clone's or virtualenv's included). Where
+nothing can be built (no compiler, or one that cannot run), the engine runs the plain torch paths
+of attention.py and elementwise.py, layer by layer from model.py, which give the same greedy tokens
+(tests/test_native_engine.py runs both against HF) more slowly.
 
 - paged_decode(q, k_cache, v_cache, tables, lens, block_size, scale): decode attention read in
   place from the paged cache (csrc/cpu_attention.cpp).
@@ -30,6 +32,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import platform
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +47,8 @@ log = get_logger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / f"cpu_{name}.cpp" for name in ("attention", "norm", "rope", "activation", "linear", "quant", "decoder")]
 HEADERS = [CSRC / "ops.h", CSRC / "vec.h"]
+LINK_FLAGS = ("-fopenmp",)  # a tuple: torch's build appends to the lists it is given
+BUILT = "built"  # written in a build folder once its library is complete
 # Per ISA: the compiler's target, and the CPU_CAPABILITY that picks ATen's vector implementation
 # (NEON's comes with the default one on aarch64).
 TARGETS = {"avx512": (["-march=x86-64-v4", "-mtune=native"], "AVX512"),
@@ -88,18 +93,24 @@ def load(kernel_dir: str, isa: str) -> str:
         try:
             from torch.utils.cpp_extension import load as build
 
-            folder = Path(kernel_dir) / f"torch-{torch.__version__}-{_build_key()}" / isa
-            folder.mkdir(parents=True, exist_ok=True)
-            with open(folder / "build.flock", "a") as held:
-                # torch's own lock is a file that its holder deletes: one killed while building
-                # (or only checking the build, which every start does) leaves it, and every later
-                # start waits on it forever. The OS drops a flock however its holder ends, and while
-                # this one holds it no other start is in torch's build here: a lock file is stale.
-                fcntl.flock(held, fcntl.LOCK_EX)
-                (folder / "lock").unlink(missing_ok=True)
-                build(name=f"cyllm_cpu_{isa}", sources=[str(s) for s in SOURCES], build_directory=str(folder),
-                      is_python_module=False, extra_cflags=compile_flags(isa), extra_ldflags=["-fopenmp"])
-        except (RuntimeError, OSError, ImportError) as exc:
+            folder = build_folder(kernel_dir, isa)
+            library = folder / f"cyllm_cpu_{isa}.so"
+            if (folder / BUILT).exists():
+                torch.ops.load_library(str(library))
+            else:
+                folder.mkdir(parents=True, exist_ok=True)
+                with open(folder / "build.flock", "a") as held:
+                    # torch's own lock is a file that its holder deletes: one killed while building
+                    # leaves it, and every later start waits on it forever. The OS drops a flock
+                    # however its holder ends, and while this one holds it no other start is in
+                    # torch's build here: a lock file is stale.
+                    fcntl.flock(held, fcntl.LOCK_EX)
+                    (folder / "lock").unlink(missing_ok=True)
+                    build(name=f"cyllm_cpu_{isa}", sources=[str(s) for s in SOURCES], build_directory=str(folder),
+                          is_python_module=False, extra_cflags=compile_flags(isa), extra_ldflags=list(LINK_FLAGS))
+                    (folder / BUILT).touch()
+        # (a compiler that fails to run at all: torch's check of its version raises CalledProcessError)
+        except (RuntimeError, OSError, ImportError, subprocess.SubprocessError) as exc:
             lines = str(exc).strip().splitlines()
             errors = [line.strip() for line in lines if "error" in line.lower()]  # a compiler's first error says most
             return f"not built: {(errors or lines or [type(exc).__name__])[0]}"
@@ -209,11 +220,16 @@ def decode_layers(x: torch.Tensor, layers: LayerWeights, k_caches: torch.Tensor,
                                          lens, layers.heads, block_size, layers.eps)
 
 
-def _build_key() -> str:
-    """A digest of the CPU's model and instruction-set flags, of the sources, and of where torch is
-    installed (two environments with one torch version build against different include paths, and
-    sharing a folder, rebuilt it each time the other had run)."""
-    described = platform.machine() + str(Path(torch.__file__).parent)
+def build_folder(kernel_dir: str, isa: str) -> Path:
+    """Where `isa`'s library is built: named for the torch build (its version and commit: the
+    headers and the libraries it links), the CPU's model and instruction-set flags, the sources
+    and the compiler's flags. Not for where torch is installed: a build is loaded as is wherever
+    the same torch runs (before, each new environment, as CI's fresh clone makes, built again)."""
+    return Path(kernel_dir) / f"torch-{torch.__version__}-{_build_key(isa)}" / isa
+
+
+def _build_key(isa: str) -> str:
+    described = platform.machine() + str(torch.version.git_version) + " ".join([*compile_flags(isa), *LINK_FLAGS])
     try:
         with open("/proc/cpuinfo") as info:
             lines = info.read().split("\n\n")[0].splitlines()
