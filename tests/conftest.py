@@ -99,6 +99,19 @@ async def running_worker(**overrides: Any):
         shutil.rmtree(socket_dir, ignore_errors=True)
 
 
+def child_pids(pid: int) -> list[int]:
+    """The processes whose parent is `pid`, whichever of its threads started them (/proc/PID/task/
+    PID/children lists only the main thread's: vLLM's engine core starts from a loading thread)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+        except (OSError, IndexError, ValueError):  # gone meanwhile
+            pass
+    return found
+
+
 def synthetic_request(max_tokens: int = 8, **fields: Any) -> pb.PredictRequest:
     sampling = pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     for key, value in fields.pop("sampling", {}).items():

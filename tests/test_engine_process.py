@@ -17,7 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tests.conftest import running_worker, synthetic_request
+from tests.conftest import child_pids, running_worker, synthetic_request
 from worker.config import ConfigError
 from worker.config_loader import load_config
 from worker.engines.factory import runs_in_own_process, create_engine
@@ -26,11 +26,6 @@ from worker.gen.cyllm.inference.v1 import inference_pb2 as pb
 
 SYNTHETIC = ("--engine", "synthetic", "--set", "engine.own_process=true")
 SLOW = {"engine.args.step_ms": "10"}  # a token for every request each 10 ms
-
-
-def children(pid: int) -> list[int]:
-    path = Path(f"/proc/{pid}/task/{pid}/children")
-    return [int(p) for p in path.read_text().split()] if path.exists() else []
 
 
 def alive(pid: int) -> bool:
@@ -230,7 +225,7 @@ def test_a_killed_engine_process_fails_every_stream_and_the_worker_exits(worker_
 
     worker = worker_process(*SYNTHETIC, "--set", "engine.args.step_ms=10")
     worker.wait_ready()
-    engine_pid, = children(worker.proc.pid)
+    engine_pid, = child_pids(worker.proc.pid)
     streams = [{} for _ in range(3)]
     threads = [stream_in_thread(worker.socket_path, 5000, results) for results in streams]
     assert all(results["first"].wait(20) for results in streams)
@@ -248,7 +243,7 @@ def test_sigterm_drains_then_the_engine_s_process_ends_with_the_worker(worker_pr
 
     worker = worker_process(*SYNTHETIC, "--set", "engine.args.step_ms=10")
     worker.wait_ready()
-    engine_pid, = children(worker.proc.pid)
+    engine_pid, = child_pids(worker.proc.pid)
     results: dict = {}
     thread = stream_in_thread(worker.socket_path, 100, results)
     assert results["first"].wait(20)
