@@ -62,7 +62,9 @@ of the loop's pipelined loads (on an H200, the Llama-1B shape's engines alternat
 ms a step: batch 16 1.026 -> 1.124, 2 1.041 -> 1.155, 64 1.166 -> 1.270). This way (three rounds):
 batch 2 / 8 / 16 / 32 1.0445 / 1.0730 / 1.0281 / 1.0982 -> 1.0240 / 1.0485 / 1.0122 / 1.0905, but
 64 1.1790 -> 1.1880; the LM head taking the final norm so too, 1.0320 / 1.0604 / 1.0200 / 1.0937
-(its 4,008 programs each read the sums of squares)."""
+(its 4,008 programs each read the sums of squares). Past 32 rows, the products split along K
+(FEW_ROWS_SPLIT) handing on from each program's last part were slower too (device floors at batch
+40 / 48 / 64 1.068 / 1.079 / 1.111 -> 1.119 / 1.130 / 1.174 ms, docs/benchmarks.md)."""
 FEW_ROWS_DEEPEST = {"H200": 4096}
 """By a part of the device's name: the deepest K few_rows takes; deeper products go to cuBLAS. On an
 H200 those are the Llama-8B and 1B shapes' down projections (4,096 x 14,336, 2,048 x 8,192). 8B:
