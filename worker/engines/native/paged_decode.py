@@ -65,16 +65,20 @@ rounds: 8B, 64-token tiles (from 64 rows), batch 256 with two 16k among 2,500-to
 elsewhere they stay: 8B 128-token tiles (32 rows) 8.700 -> 8.863, 1B 64-token tiles 6.976 -> 7.566
 (batch 256, two 16k; registers 80 -> 96), 128-token tiles 0.98-1.02x (docs/benchmarks.md)."""
 SHORT_PROGRAMS = 128
-PART_TILES = 2
+PART_TILES = 1
 """Each part of a split context walks at least this many tiles, and about sqrt(tiles x PART_SCALE):
 more parts walk fewer tiles each and leave more to combine. H200, the kernel alone, us a call, the
 part rule without the square root (PART_SCALE 0) / with it (0.25) / 0.5: heads of 64 at batch 1, 4k
 tokens, 17.1 / 13.6 / 17.0, 16k 28.9 / 29.0 / 32.6; heads of 128 at 4k 23.2 / 17.5 / 22.6, 16k 40.5 /
-39.4 / 43.3; batch 4 at 1k (heads of 64) 10.4 / 10.4 / 11.5."""
+39.4 / 43.3; batch 4 at 1k (heads of 64) 10.4 / 10.4 / 11.5. 1 (from 2) moves 3-4 tiles: WHOLE_TILES."""
 PART_SCALE = 0.25
-WHOLE_TILES = 6
-"""Contexts of at most this many tiles are never split (on an H100 one program walked 4
-tiles in 6.2 us, and the parts of a split plus their combine took 9)."""
+WHOLE_TILES = 2
+"""Contexts of at most this many tiles are never split; longer ones where few programs run (batch
+1-8 of 8 KV heads): a few programs walking 3-6 tiles one after another took longer than parts and
+their combine. H200, engines alternated in one process (128-token prompts, 256 new tokens), ms a
+step at batch 1 / 4 / 8 with 6 (and PART_TILES 2) before: Llama-1B 0.7968 / 1.0323 / 1.0376 ->
+0.7798 / 1.0072 / 1.0053, 8B 4.084 / 4.615 / 4.692 -> 4.055 / 4.616 / 4.682 (floors:
+docs/benchmarks.md). 3 came within 1%; parts of 2 tiles and more left 4-tile contexts as slow."""
 COMBINE_PARTS = 8
 """Parts the last one to finish loads at a time to combine them (COMBINE_PARTS x group x head_dim registers)."""
 WIDE_TILE_LANES = 1 << 15
@@ -234,10 +238,9 @@ if triton is not None:
             first_tile = 0
             last_tile = num_tiles
         else:
-            # A short context is not worth splitting (the parts' combine costs what ~5 tiles do): part
-            # 0 takes it whole. A longer one in parts of at least part_tiles tiles and about
-            # sqrt(tiles x part_scale) (more parts walk fewer tiles each, and make more to combine),
-            # up to SPLITS of them; the launch's other parts have nothing to do.
+            # A short context (WHOLE_TILES) is not worth splitting: part 0 takes it whole. A longer one
+            # in parts of at least part_tiles tiles and about sqrt(tiles x part_scale) (more parts walk
+            # fewer tiles each, and make more to combine), up to SPLITS; the launch's others idle.
             least = tl.maximum(part_tiles, tl.ceil(tl.sqrt(num_tiles.to(tl.float32) * part_scale)).to(tl.int32))
             per_split = tl.maximum(tl.cdiv(num_tiles, SPLITS), least)
             parts = tl.where(num_tiles <= WHOLE_TILES, 1, tl.cdiv(num_tiles, per_split))
