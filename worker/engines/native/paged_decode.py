@@ -74,7 +74,7 @@ tokens, 17.1 / 13.6 / 17.0, 16k 28.9 / 29.0 / 32.6; heads of 128 at 4k 23.2 / 17
 PART_SCALE = 0.25
 WHOLE_TILES = 2
 """Contexts of at most this many tiles are never split; longer ones where few programs run (batch
-1-8 of 8 KV heads): a few programs walking 3-6 tiles one after another took longer than parts and
+1-15 of 8 KV heads): a few programs walking 3-6 tiles one after another took longer than parts and
 their combine. H200, engines alternated in one process (128-token prompts, 256 new tokens), ms a
 step at batch 1 / 4 / 8 with 6 (and PART_TILES 2) before: Llama-1B 0.7968 / 1.0323 / 1.0376 ->
 0.7798 / 1.0072 / 1.0053, 8B 4.084 / 4.615 / 4.692 -> 4.055 / 4.616 / 4.682 (floors:
