@@ -1,5 +1,6 @@
-"""The decode-attention kernel's long rows (paged_decode.launch): in a step of many sequences with a
-context past LONG_CONTEXT, the longest contexts split in parts beside the others whole. The kernel
+"""How the decode-attention kernel splits contexts (paged_decode.launch): in a step of many sequences
+with a context past LONG_CONTEXT, the longest contexts in parts beside the others whole; in a step of
+few, every context past WHOLE_TILES tiles. The kernel
 runs here on the CPU through Triton's interpreter, in a process of its own (the interpreter is
 chosen when the kernels are defined), with the launch's sizes shrunk so that a few rows make it;
 tests/test_cuda_kernels.py runs it compiled on a GPU."""
@@ -122,6 +123,29 @@ def test_a_step_with_long_rows_splits_those_rows_and_walks_the_others_whole():
             print((a - b).abs().max().item() < 1e-5, torch.equal(ka, kb), torch.equal(va, vb), not torch.equal(ka, k))
     """)
     assert out.splitlines() == ["True True 0"] * 9 + ["True True True True"] * 2
+
+
+@interpreter_only
+def test_a_step_of_few_rows_splits_each_context_past_two_tiles():
+    """Where few programs run, every context past WHOLE_TILES 64-token tiles is walked in parts that
+    the last one combines, and shorter ones whole: fp32, against the gather path; a context of up to
+    2 tiles to the bit as a launch walking every context whole gives it, a longer one with the
+    combine's bits instead; twice, to the bit, every arrival back to 0."""
+    out = interpreted("""
+        torch.manual_seed(0)
+        pd.SPLIT_PROGRAMS = 256  # as shipped: 5 rows of 2 KV heads split
+        lens = [100, 128, 129, 300, 384]  # 2, 2, 3, 5 and 6 tiles
+        k, v, tables, row_lens = caches(lens)
+        q = torch.randn(len(lens), 8, 32)
+        assert pd.launch(len(lens), 2, False)[0] > 1
+        split = [pd.paged_decode(q, k, v, tables, row_lens, 16) for _ in range(2)]
+        whole_tiles, pd.WHOLE_TILES = pd.WHOLE_TILES, 1 << 10
+        whole = pd.paged_decode(q, k, v, tables, row_lens, 16)
+        err = (split[0] - gather_attention(q, k, v, tables, row_lens, 16)).abs().max().item()
+        print(whole_tiles, err < 1e-5, torch.equal(split[0], split[1]), pd._ARRIVALS[torch.device("cpu")].abs().sum().item())
+        print([torch.equal(split[0][row], whole[row]) for row in range(len(lens))])
+    """)
+    assert out.splitlines() == ["2 True True 0", "[True, True, False, False, False]"]
 
 
 def test_a_step_takes_the_long_launch_only_where_it_splits_a_context():
