@@ -1,9 +1,9 @@
 """How the decode-attention kernel splits contexts (paged_decode.launch): in a step of many sequences
 with a context past LONG_CONTEXT, the longest contexts in parts beside the others whole; in a step of
-few, every context past WHOLE_TILES tiles. The kernel
-runs here on the CPU through Triton's interpreter, in a process of its own (the interpreter is
-chosen when the kernels are defined), with the launch's sizes shrunk so that a few rows make it;
-tests/test_cuda_kernels.py runs it compiled on a GPU."""
+few, every context past WHOLE_TILES tiles. The kernel runs here on the CPU through Triton's
+interpreter, in a process of its own (the interpreter is chosen when the kernels are defined), with
+the launch's sizes shrunk so that a few rows make it; tests/test_cuda_kernels.py runs it compiled on
+a GPU."""
 
 import os
 import subprocess
