@@ -70,15 +70,12 @@ PART_TILES = 1
 more parts walk fewer tiles each and leave more to combine. H200, the kernel alone, us a call, the
 part rule without the square root (PART_SCALE 0) / with it (0.25) / 0.5: heads of 64 at batch 1, 4k
 tokens, 17.1 / 13.6 / 17.0, 16k 28.9 / 29.0 / 32.6; heads of 128 at 4k 23.2 / 17.5 / 22.6, 16k 40.5 /
-39.4 / 43.3; batch 4 at 1k (heads of 64) 10.4 / 10.4 / 11.5. 1 (from 2) moves 3-4 tiles: WHOLE_TILES."""
+39.4 / 43.3; batch 4 at 1k (heads of 64) 10.4 / 10.4 / 11.5. 1 since WHOLE_TILES 2."""
 PART_SCALE = 0.25
 WHOLE_TILES = 2
-"""Contexts of at most this many tiles are never split; longer ones where few programs run (batch
-1-15 of 8 KV heads): a few programs walking 3-6 tiles one after another took longer than parts and
-their combine. H200, engines alternated in one process (128-token prompts, 256 new tokens), ms a
-step at batch 1 / 4 / 8 with 6 (and PART_TILES 2) before: Llama-1B 0.7968 / 1.0323 / 1.0376 ->
-0.7798 / 1.0072 / 1.0053, 8B 4.084 / 4.615 / 4.692 -> 4.055 / 4.616 / 4.682 (floors:
-docs/benchmarks.md). 3 came within 1%; parts of 2 tiles and more left 4-tile contexts as slow."""
+"""Contexts of at most this many tiles are never split; past it, where few programs run (batch 1-15
+of 8 KV heads), parts and their combine beat walking 3-6 tiles in turn: H200, 1B batch 1 / 8 0.797 /
+1.038 -> 0.780 / 1.005 ms a step, 8B within 0.7% (6 and PART_TILES 2 before; docs/benchmarks.md)."""
 COMBINE_PARTS = 8
 """Parts the last one to finish loads at a time to combine them (COMBINE_PARTS x group x head_dim registers)."""
 WIDE_TILE_LANES = 1 << 15
