@@ -76,16 +76,21 @@ def test_the_one_row_kernel_takes_its_devices_config_for_the_widths_measured(mon
     assert few_rows.few_rows_config(h200, 960, 640, 16) == (bn, 128, warps, stages)
     assert few_rows.few_rows_config(h200, 3072, 576, most) == (*narrow[:1], 64, *narrow[2:])  # past FEW_ROWS_MOST
     assert few_rows.few_rows_config(h200, 960, 1000, 16) is None and few_rows.few_rows_config(h200, 960, 544, 2) is None
-    # split along K (the o and down projections past HANDOFF_MOST_ROWS): the H200's, by N and K
+    # split along K (the o and down projections past HANDOFF_MOST_ROWS, and the Llama-1B shape's
+    # down projection, which hands nothing on, at 2-16 rows too): the H200's, by rows, N and K
     many, most = few_rows.HANDOFF_MOST_ROWS + 1, few_rows.FEW_ROWS_LIMIT
-    ((_, _, _, small), (_, _, _, deep)) = few_rows.FEW_ROWS_SPLIT["H200"]
+    ((*_, small), (*_, deep), (*_, deep_few)) = few_rows.FEW_ROWS_SPLIT["H200"]
     assert few_rows.split_config(h200, 2048, 2048, many) == few_rows.split_config(h200, 2048, 1024, most) == small
     assert few_rows.split_config(h200, 2048, 8192, many) == few_rows.split_config(h200, 2048, 2560, most) == deep
+    assert few_rows.split_config(h200, 2048, 8192, 2) == few_rows.split_config(h200, 2048, 8192, 16) == deep_few
     assert few_rows.split_config(h200, 2048, 2304, many) == (*deep[:1], 64, *deep[2:])  # bk halved: 4 x 64 | 2,304
     assert all(few_rows.split_config(device, n, k, m) is None for device, n, k, m in (
-        (h200, 2048, 2048, many - 1), (h200, 2048, 2048, most + 1), (h100, 2048, 2048, many),
+        (h200, 2048, 2048, many - 1), (h200, 2048, 2048, 16), (h200, 2048, 4096, 16), (h200, 2048, 2048, most + 1),
+        (h100, 2048, 2048, many),
+        (h200, 2048, 8192, 1), (h200, 2048, 8192, 17), (h200, 2048, 8192, many - 1), (h100, 2048, 8192, 16),
         (h200, 2048, 2112, many),  # K in no two parts of whole 64-wide tiles
-        (h200, 4096, 4096, many), (h200, 576, 1536, many)))  # the Llama-8B shape's (N 4,096), SmolLM2's (576)
+        (h200, 4096, 4096, many), (h200, 4096, 14336, 16),  # the Llama-8B shape's (N 4,096)
+        (h200, 576, 1536, many), (h200, 576, 1536, 16)))  # SmolLM2's (576)
     # the activation from few_rows' kernel where the down projection after it goes to cuBLAS
     llama_1b, smollm2, uneven = (RowLinear(torch.nn.Linear(k, 2 * n, bias=False, device="meta"))
                                  for k, n in ((2048, 8192), (576, 1536), (576, 1000)))

@@ -51,10 +51,11 @@ def test_few_rows_adds_the_residual_stream_and_the_next_product_takes_its_norm()
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels run on CUDA")
 def test_a_product_split_along_k_gives_the_norm_its_parts():
-    """Past HANDOFF_MOST_ROWS rows, an o or down projection split along K (few_rows.FEW_ROWS_SPLIT)
-    gives its fp32 parts, and the norm kernel adds them up, rounds the sum as few_rows rounds a
-    product and adds the residual stream: to the bit what the norm kernel gives on that rounded sum.
-    Where the device has no split (its name, the row count), RowLinear.split gives None."""
+    """An o or down projection split along K (few_rows.FEW_ROWS_SPLIT: past HANDOFF_MOST_ROWS rows,
+    and from 2 rows where it hands nothing on, as the Llama-1B shape's down projection) gives its
+    fp32 parts, and the norm kernel adds them up, rounds the sum as few_rows rounds a product and
+    adds the residual stream: to the bit what the norm kernel gives on that rounded sum. Where the
+    device has no split (its name, the row count), RowLinear.split gives None."""
     from worker.engines.native.elementwise import Elementwise
     from worker.engines.native.few_rows import split_config
     from worker.engines.native.linear import RowLinear
@@ -66,7 +67,7 @@ def test_a_product_split_along_k_gives_the_norm_its_parts():
     for n, k, bias in ((2048, 2048, False), (2048, 8192, True), (4096, 4096, False)):
         linear = RowLinear(torch.nn.Linear(k, n, bias=bias, device="cuda", dtype=dtype))
         norm = torch.rand(n, device="cuda", dtype=dtype) + 0.5
-        for rows in (32, 33, 40, 64, 65):
+        for rows in (2, 16, 17, 32, 33, 40, 64, 65):
             x, residual = (torch.randn(rows, width, device="cuda", dtype=dtype) for width in (k, n))
             split = linear.split(x, residual)
             config = split_config(device, n, k, rows)
@@ -83,8 +84,8 @@ def test_a_product_split_along_k_gives_the_norm_its_parts():
             if len(parts) == 2:  # one order of adding: the same bits
                 assert torch.equal(total, want_total) and torch.equal(h, want_h)
             torch.testing.assert_close(total, want_total, atol=2e-2, rtol=1e-2)
-    if "H200" in torch.cuda.get_device_name():
-        assert split_config(device, 2048, 2048, 40) is not None  # what the loop above covered
+    if "H200" in torch.cuda.get_device_name():  # what the loop above covered
+        assert split_config(device, 2048, 2048, 40) is not None and split_config(device, 2048, 8192, 16) is not None
 
 
 def _model_step(model, caches: torch.Tensor, contexts: list[int], queries: list[int], block_size: int = 16):

@@ -4,7 +4,7 @@ half precision, launched with PDL (pdl.py) so that its first tile of W is read w
 before it runs. Which rows and products take it, and in which tiles, is few_rows_config's choice
 from the tables here; linear.RowLinear routes a product to it. Between layers it can hand the
 residual stream on to the next product without the norm kernel between them (HANDOFF_MOST_ROWS),
-and past that many rows give a product in parts along K for the norm kernel to add (FEW_ROWS_SPLIT).
+and where it does not, give a product in parts along K for the norm kernel to add (FEW_ROWS_SPLIT).
 """
 
 from __future__ import annotations
@@ -66,37 +66,47 @@ batch 2 / 8 / 16 / 32 1.0445 / 1.0730 / 1.0281 / 1.0982 -> 1.0240 / 1.0485 / 1.0
 (FEW_ROWS_SPLIT) handing on from each program's last part were slower too (device floors at batch
 40 / 48 / 64 1.068 / 1.079 / 1.111 -> 1.119 / 1.130 / 1.174 ms, docs/benchmarks.md)."""
 FEW_ROWS_DEEPEST = {"H200": 4096}
-"""By a part of the device's name: the deepest K few_rows takes; deeper products go to cuBLAS. On an
-H200 those are the Llama-8B and 1B shapes' down projections (4,096 x 14,336, 2,048 x 8,192). 8B:
-three engines alternated in one process, three rounds, a step took 4.614 / 4.712 ms at batch 8 / 16
-with it through cuBLAS against 4.761 / 4.944 through few_rows, and 4.672 / 4.772 with every product
-through cuBLAS. 1B: no faster so alone (1.070 / 1.082 / 1.095 / 1.085 against 1.069 / 1.075 /
-1.094 / 1.083 at batch 2 / 4 / 8 / 16), but it lets the gate/up projection before it give its
-activation (linear.RowLinear.gives_activation): 1.0458 / 1.0109 -> 1.0333 / 0.9908 at batch 8 /
-16, and in another call 1.0264 / 1.0340 / 1.0170 -> 1.0205 / 1.0239 / 0.9966 at 2 / 4 / 16 (three
-rounds). The 8B shape at batch 16, whose down projection went to cuBLAS already, took 4.664 /
-4.665 ms before and 4.761 / 4.606 after (two rounds): no clear change."""
+"""By a part of the device's name: the deepest K few_rows takes whole; deeper products go to cuBLAS
+or in parts (FEW_ROWS_SPLIT). On an H200 those are the Llama-8B and 1B shapes' down projections
+(4,096 x 14,336, 2,048 x 8,192). 8B: three engines alternated in one process, three rounds, a step
+took 4.614 / 4.712 ms at batch 8 / 16 with it through cuBLAS against 4.761 / 4.944 through few_rows,
+and 4.672 / 4.772 with every product through cuBLAS. 1B: no faster so alone (1.070 / 1.082 / 1.095 /
+1.085 against 1.069 / 1.075 / 1.094 / 1.083 at batch 2 / 4 / 8 / 16), but it lets the gate/up
+projection before it give its activation (linear.RowLinear.gives_activation): 1.0458 / 1.0109 ->
+1.0333 / 0.9908 at batch 8 / 16, and in another call 1.0264 / 1.0340 / 1.0170 -> 1.0205 / 1.0239 /
+0.9966 at 2 / 4 / 16 (three rounds). The 8B shape at batch 16, whose down projection went to cuBLAS
+already, took 4.664 / 4.665 ms before and 4.761 / 4.606 after (two rounds): no clear change."""
 
 
-FEW_ROWS_SPLIT = {"H200": ((2048, 2048, 2048, (32, 128, 4, 5, 2)), (2048, 2048, 65536, (64, 128, 4, 4, 4)))}
-"""By a part of the device's name: ((narrowest N, widest N, deepest K, (bn, bk, warps, stages,
-parts)), ...), the first that fits: products whose output the norm after it adds to the residual
-stream (the o and down projections), past HANDOFF_MOST_ROWS rows, split along K in `parts` parts
-(split_config). At 64 rows the Llama-1B shape's o projection, whole, reads its 8 MB in ~7 us (a
-quarter of its bound): each of its 64 programs reads all 64 rows of x for its 32 outputs, twice the
-weight's bytes through the L2 in all, and half the SMs have none; in two parts twice the programs
-read half as much each, and the norm kernel adds the fp32 parts (elementwise._norm_triton). On an
-H200, each product and the norm kernel after it over 16 layers' weights in a CUDA graph, us a layer
-at 48 / 64 rows (the route before in brackets: few_rows whole, or cuBLAS past FEW_ROWS_DEEPEST): 1B
-o 6.81 / 7.18 (8.16 / 8.34), down 14.49 / 14.81 (15.06 / 15.09). Through the engine (in-process
-engines alternated, four rounds of three runs, ms a step): batch 48 / 64 1.179 / 1.227 -> 1.107 /
-1.158, batch 16 (not split) 1.009 either way. The 8B shape's o and down (N 4,096) were faster alone
-too (o 13.65 / 13.89 against 15.18 / 14.44, down 34.73 / 35.49 against 35.96 / 37.60, in 64 x 128
-tiles, two parts), not through the engine (ms a step at batch 48 / 64, whole 5.109 / 5.231, split
-5.080 / 5.219, within its runs' spread): not split. Nor is SmolLM2's down projection (N 576, K
-1,536), whose engine's steps at batch 48 / 64 are the host's: split, they spread 0.85-1.27 /
-0.88-1.33 ms against 0.89-1.23 / 0.92-1.10 (medians 0.944 / 1.024 against 0.911 / 0.928; four rounds
-of three runs)."""
+FEW_ROWS_SPLIT = {"H200": (((33, 64), (2048, 2048), (64, 2048), (32, 128, 4, 5, 2)),
+                          ((33, 64), (2048, 2048), (2049, 65536), (64, 128, 4, 4, 4)),
+                          ((2, 16), (2048, 2048), (4097, 65536), (64, 128, 4, 4, 4)))}
+"""By a part of the device's name: (((rows), (N), (K), (bn, bk, warps, stages, parts)), ...), each
+range inclusive, the first that fits: products whose output the norm after it adds to the residual
+stream (the o and down projections) and that do not hand it on themselves (HANDOFF_MOST_ROWS),
+split along K in `parts` parts (split_config). At 64 rows the Llama-1B shape's
+o projection, whole, reads its 8 MB in ~7 us (a quarter of its bound): each of its 64 programs
+reads all 64 rows of x for its 32 outputs, twice the weight's bytes through the L2 in all, and half
+the SMs have none; in two parts twice the programs read half as much each, and the norm kernel adds
+the fp32 parts (elementwise._norm_triton). On an H200, each product and the norm kernel after it
+over 16 layers' weights in a CUDA graph, us a layer at 48 / 64 rows (the route before in brackets:
+few_rows whole, or cuBLAS past FEW_ROWS_DEEPEST): 1B o 6.81 / 7.18 (8.16 / 8.34), down 14.49 /
+14.81 (15.06 / 15.09). Through the engine (in-process engines alternated, four rounds of three
+runs, ms a step): batch 48 / 64 1.179 / 1.227 -> 1.107 / 1.158, batch 16 (not split) 1.009 either
+way. At 2-16 rows the 1B down projection, which hands nothing on (deeper than FEW_ROWS_DEEPEST),
+went whole through cuBLAS at 13.9 us a layer for 7.9 us of bytes (16 rows, bench/gpu_parts.py); in
+4 parts of 64 outputs, engines alternated (three rounds), batch 2 / 8 / 16 0.9994 / 1.0335 / 1.0175
+-> 0.9741 / 0.9902 / 0.9879 ms, device floors at 256 tokens 0.983 / 1.000 / 0.997 -> 0.962 / 0.979
+/ 0.972; 32 x 128 tiles 1.081 / 1.102 / 1.077, 8 parts 1.005 / 1.020 / 1.024. At 17-32 rows (the
+graphs' 32 rows) it is not split: batch 24 / 32 1.083 / 1.109 -> 1.098 / 1.135 (64 x 128), 1.085 /
+1.108 (32 x 128, floors 0.5% faster), within the runs' spread. The 8B shape's o and down (N 4,096)
+were faster alone too (o 13.65 / 13.89 against 15.18 / 14.44, down 34.73 / 35.49 against 35.96 /
+37.60, in 64 x 128 tiles, two parts), not through the engine (ms a step at batch 48 / 64, whole
+5.109 / 5.231, split 5.080 / 5.219, within its runs' spread), and its down projection at 2-16 rows
+was slower split (4 parts of 64: batch 2 / 16 4.429 / 4.650 -> 4.490 / 4.766, floors 4.392 / 4.594
+-> 4.458 / 4.707): not split. Nor is SmolLM2's down projection (N 576, K 1,536), whose engine's
+steps at batch 48 / 64 are the host's: split, they spread 0.85-1.27 / 0.88-1.33 ms against
+0.89-1.23 / 0.92-1.10 (medians 0.944 / 1.024 against 0.911 / 0.928; four rounds of three runs)."""
 
 
 FEW_ROWS_K = 64
@@ -118,10 +128,9 @@ def few_rows_config(device: torch.device, n: int, k: int, m: int) -> tuple[int, 
 def split_config(device: torch.device, n: int, k: int, m: int) -> tuple[int, int, int, int, int] | None:
     """(bn, bk, warps, stages, parts) for m rows of an (n, k) product whose parts the norm after it
     adds (FEW_ROWS_SPLIT); None: not split."""
-    if not HANDOFF_MOST_ROWS < m <= FEW_ROWS_LIMIT:
-        return None
-    config = next((config for narrowest, widest, deepest, config in for_device(FEW_ROWS_SPLIT, device) or ()
-                   if narrowest <= n <= widest and k <= deepest), None)
+    config = next((config for rows, ns, ks, config in for_device(FEW_ROWS_SPLIT, device) or ()
+                   if rows[0] <= m <= min(rows[1], FEW_ROWS_LIMIT) and ns[0] <= n <= ns[1] and ks[0] <= k <= ks[1]),
+                  None)
     bk = _k_tile(config[1], k, config[4]) if config is not None else None
     return None if bk is None else (config[0], bk, *config[2:])
 

@@ -239,7 +239,7 @@ class RowLinear(nn.Module):
     def gives_activation(self, device: torch.device, rows: int) -> bool:
         """Whether few_rows' kernel, where it takes `rows` rows, gives this gate/up projection's
         activation ([gate | up] weights, (N, K)): not where the down projection after it, (K, N / 2),
-        runs in few_rows' kernel too; there the product, then the SiLU kernel. On an H200, the Llama-1B
+        runs whole in few_rows' kernel too; there the product, then the SiLU kernel. On an H200, the Llama-1B
         shape's engines alternated in one process (ms a step): at batch 32 / 64, the down projection
         through cuBLAS, 1.1110 / 1.1984 -> 1.0925 / 1.1713 (five rounds); at batch 4 / 8 / 16, the
         down projection through few_rows, 1.0282 / 1.0453 / 1.0164 -> 1.1300 / 1.1462 / 1.1297
