@@ -83,30 +83,30 @@ FEW_ROWS_SPLIT = {"H200": (((33, 64), (2048, 2048), (64, 2048), (32, 128, 4, 5, 
                           ((2, 16), (2048, 2048), (4097, 65536), (64, 128, 4, 4, 4)))}
 """By a part of the device's name: (((rows), (N), (K), (bn, bk, warps, stages, parts)), ...), each
 range inclusive, the first that fits: products whose output the norm after it adds to the residual
-stream (the o and down projections) and that do not hand it on themselves (HANDOFF_MOST_ROWS),
-split along K in `parts` parts (split_config). At 64 rows the Llama-1B shape's
-o projection, whole, reads its 8 MB in ~7 us (a quarter of its bound): each of its 64 programs
-reads all 64 rows of x for its 32 outputs, twice the weight's bytes through the L2 in all, and half
-the SMs have none; in two parts twice the programs read half as much each, and the norm kernel adds
-the fp32 parts (elementwise._norm_triton). On an H200, each product and the norm kernel after it
-over 16 layers' weights in a CUDA graph, us a layer at 48 / 64 rows (the route before in brackets:
-few_rows whole, or cuBLAS past FEW_ROWS_DEEPEST): 1B o 6.81 / 7.18 (8.16 / 8.34), down 14.49 /
-14.81 (15.06 / 15.09). Through the engine (in-process engines alternated, four rounds of three
-runs, ms a step): batch 48 / 64 1.179 / 1.227 -> 1.107 / 1.158, batch 16 (not split) 1.009 either
-way. At 2-16 rows the 1B down projection, which hands nothing on (deeper than FEW_ROWS_DEEPEST),
-went whole through cuBLAS at 13.9 us a layer for 7.9 us of bytes (16 rows, bench/gpu_parts.py); in
-4 parts of 64 outputs, engines alternated (three rounds), batch 2 / 8 / 16 0.9994 / 1.0335 / 1.0175
--> 0.9741 / 0.9902 / 0.9879 ms, device floors at 256 tokens 0.983 / 1.000 / 0.997 -> 0.962 / 0.979
-/ 0.972; 32 x 128 tiles 1.081 / 1.102 / 1.077, 8 parts 1.005 / 1.020 / 1.024. At 17-32 rows (the
-graphs' 32 rows) it is not split: batch 24 / 32 1.083 / 1.109 -> 1.098 / 1.135 (64 x 128), 1.085 /
-1.108 (32 x 128, floors 0.5% faster), within the runs' spread. The 8B shape's o and down (N 4,096)
-were faster alone too (o 13.65 / 13.89 against 15.18 / 14.44, down 34.73 / 35.49 against 35.96 /
-37.60, in 64 x 128 tiles, two parts), not through the engine (ms a step at batch 48 / 64, whole
-5.109 / 5.231, split 5.080 / 5.219, within its runs' spread), and its down projection at 2-16 rows
-was slower split (4 parts of 64: batch 2 / 16 4.429 / 4.650 -> 4.490 / 4.766, floors 4.392 / 4.594
--> 4.458 / 4.707): not split. Nor is SmolLM2's down projection (N 576, K 1,536), whose engine's
-steps at batch 48 / 64 are the host's: split, they spread 0.85-1.27 / 0.88-1.33 ms against
-0.89-1.23 / 0.92-1.10 (medians 0.944 / 1.024 against 0.911 / 0.928; four rounds of three runs)."""
+stream (the o and down projections) and that do not hand it on themselves (HANDOFF_MOST_ROWS), split
+along K in `parts` parts (split_config). At 64 rows the Llama-1B shape's o projection, whole, reads
+its 8 MB in ~7 us (a quarter of its bound): each of its 64 programs reads all 64 rows of x for its
+32 outputs, twice the weight's bytes through the L2 in all, and half the SMs have none; in two parts
+twice the programs read half as much each, and the norm kernel adds the fp32 parts
+(elementwise._norm_triton). On an H200, each product and the norm kernel after it over 16 layers'
+weights in a CUDA graph, us a layer at 48 / 64 rows (the route before in brackets: few_rows whole,
+or cuBLAS past FEW_ROWS_DEEPEST): 1B o 6.81 / 7.18 (8.16 / 8.34), down 14.49 / 14.81 (15.06 /
+15.09). Through the engine (in-process engines alternated, four rounds of three runs, ms a step):
+batch 48 / 64 1.179 / 1.227 -> 1.107 / 1.158, batch 16 (not split then) 1.009 either way. At 2-16
+rows the 1B down projection, which hands nothing on (deeper than FEW_ROWS_DEEPEST), went whole
+through cuBLAS at 13.9 us a layer for 7.9 us of bytes (16 rows, bench/gpu_parts.py); in 4 parts of
+64 outputs, engines alternated (three rounds), batch 2 / 8 / 16 0.9994 / 1.0335 / 1.0175 -> 0.9741 /
+0.9902 / 0.9879 ms, device floors at 256 tokens 0.983 / 1.000 / 0.997 -> 0.962 / 0.979 / 0.972; 32 x
+128 tiles 1.081 / 1.102 / 1.077, 8 parts 1.005 / 1.020 / 1.024. At 17-32 rows (the graphs' 32 rows)
+it is not split: batch 24 / 32 1.083 / 1.109 -> 1.098 / 1.135 in 64 x 128 tiles; in 32 x 128, 1.085
+/ 1.108, within the runs' spread (floors 0.5% faster). The 8B shape's o and down (N 4,096) were
+faster alone too (o 13.65 / 13.89 against 15.18 / 14.44, down 34.73 / 35.49 against 35.96 / 37.60,
+in 64 x 128 tiles, two parts), not through the engine (ms a step at batch 48 / 64, whole 5.109 /
+5.231, split 5.080 / 5.219, within its runs' spread), and its down projection at 2-16 rows was
+slower split (4 parts of 64: batch 2 / 16 4.429 / 4.650 -> 4.490 / 4.766, floors 4.392 / 4.594 ->
+4.458 / 4.707): not split. Nor is SmolLM2's down projection (N 576, K 1,536), whose engine's steps
+at batch 48 / 64 are the host's: split, they spread 0.85-1.27 / 0.88-1.33 ms against 0.89-1.23 /
+0.92-1.10 (medians 0.944 / 1.024 against 0.911 / 0.928; four rounds of three runs)."""
 
 
 FEW_ROWS_K = 64
