@@ -91,7 +91,7 @@ def test_the_one_row_kernel_takes_its_devices_config_for_the_widths_measured(mon
         (h200, 2048, 2112, many),  # K in no two parts of whole 64-wide tiles
         (h200, 4096, 4096, many), (h200, 4096, 14336, 16),  # the Llama-8B shape's (N 4,096)
         (h200, 576, 1536, many), (h200, 576, 1536, 16)))  # SmolLM2's (576)
-    # the activation from few_rows' kernel where the down projection after it goes to cuBLAS
+    # the activation from few_rows' kernel where the down projection after it does not run whole there
     llama_1b, smollm2, uneven = (RowLinear(torch.nn.Linear(k, 2 * n, bias=False, device="meta"))
                                  for k, n in ((2048, 8192), (576, 1536), (576, 1000)))
     assert all(llama_1b.gives_activation(h200, rows) for rows in (2, 16, 17, 64))
