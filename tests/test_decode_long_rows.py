@@ -5,17 +5,14 @@ interpreter, in a process of its own (the interpreter is chosen when the kernels
 the launch's sizes shrunk so that a few rows make it; tests/test_cuda_kernels.py runs it compiled on
 a GPU."""
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests import interpreter
+
 pytest.importorskip("triton")
-interpreter_only = pytest.mark.skipif(torch.cuda.is_available(), reason="compiled on a GPU: tests/test_cuda_kernels.py")
 
 SHRUNK = """
 import torch
@@ -45,14 +42,10 @@ def caches(lens, kv_heads=2, dim=32, block=16):
 
 def interpreted(body: str) -> str:
     """stdout of SHRUNK then body, run under Triton's interpreter in a process of its own."""
-    done = subprocess.run([sys.executable, "-c", SHRUNK + textwrap.dedent(body)], capture_output=True, text=True, check=False,
-                          timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"},
-                          cwd=Path(__file__).resolve().parent.parent)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
+    return interpreter.interpreted(SHRUNK + textwrap.dedent(body))
 
 
-@interpreter_only
+@interpreter.only
 def test_long_rows_are_the_longest_few_past_the_bar_and_each_gets_one_slot():
     """Which rows the parts take (long_row, by slot) and which the whole-row programs leave
     (is_long_row): past LONG_CONTEXT and a quarter of the longest, or half, or the longest, the
@@ -82,7 +75,7 @@ def test_long_rows_are_the_longest_few_past_the_bar_and_each_gets_one_slot():
     ]
 
 
-@interpreter_only
+@interpreter.only
 def test_a_step_with_long_rows_splits_those_rows_and_walks_the_others_whole():
     """Mixed contexts through the long launch, fp32, against the gather path and, to the bit, each
     long row (here those past half the longest: launch gives 2 slots) as a launch splitting every
@@ -125,7 +118,7 @@ def test_a_step_with_long_rows_splits_those_rows_and_walks_the_others_whole():
     assert out.splitlines() == ["True True 0"] * 9 + ["True True True True"] * 2
 
 
-@interpreter_only
+@interpreter.only
 def test_a_step_of_few_rows_splits_each_context_past_two_tiles():
     """Where few programs run, every context past WHOLE_TILES 64-token tiles is walked in parts that
     the last one combines, and shorter ones whole: fp32, against the gather path; a context of up to

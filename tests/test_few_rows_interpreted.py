@@ -3,21 +3,16 @@ fp32 parts the norm kernel after them adds), run here on the CPU through Triton'
 process of its own (the interpreter is chosen when the kernels are defined), at the row counts the
 H200 splits: 2-16 and 33-64. tests/test_cuda_residual.py runs it compiled on a GPU, with the norm."""
 
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import pytest
-import torch
+
+from tests import interpreter
 
 pytest.importorskip("triton")
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="compiled on a GPU: tests/test_cuda_residual.py")
+@interpreter.only
 def test_each_part_of_k_gives_its_own_fp32_product_the_bias_in_the_first():
-    body = textwrap.dedent("""
+    out = interpreter.interpreted("""
         import torch
         from worker.engines.native.few_rows import few_rows
 
@@ -36,6 +31,4 @@ def test_each_part_of_k_gives_its_own_fp32_product_the_bias_in_the_first():
             torch.testing.assert_close(out, want, atol=1e-3, rtol=1e-4)
         print("ok")
     """)
-    done = subprocess.run([sys.executable, "-c", body], capture_output=True, text=True, check=False, timeout=600,
-                          env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=Path(__file__).resolve().parent.parent)
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+    assert out.strip() == "ok"
