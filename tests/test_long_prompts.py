@@ -93,7 +93,10 @@ async def test_a_long_prefill_keeps_the_worker_ready_and_a_cancel_frees_it_at_th
             last_step = engine.last_step_at
         assert not reader.done(), "the prompt is still being prefilled"
         assert set(statuses) == {health_pb2.HealthCheckResponse.SERVING}
-        assert sum(gap > 0 for gap in step_gaps) >= 12, f"prefill chunks should complete often: {step_gaps}"
+        # Chunks of about the pacer's 0.25 s (0.26-0.39 s on a quiet 2-core host, 0.40-0.65 in a CI run
+        # on a busy one): at least a chunk a second on average. One step for the whole prompt takes
+        # many seconds; a stretch past the 2-s progress timeout would have left SERVING above.
+        assert sum(gap > 0 for gap in step_gaps) >= 6, f"prefill chunks should complete often: {step_gaps}"
         assert engine.num_unfinished() == 1
         call.cancel()
         after_cancel = await time_to_first_token(client)
