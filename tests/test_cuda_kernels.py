@@ -29,6 +29,40 @@ def test_triton_decode_matches_the_gather_path(dtype):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton decode kernel runs on CUDA")
+def test_a_register_cap_compiles_the_unsplit_decode_launch_under_it_with_the_same_bits(monkeypatch):
+    """paged_decode.REGISTER_CAPS: the unsplit launch of its (head_dim, tile) compiles under the cap
+    and gives the uncapped launch's bits; a launch splitting its contexts stays uncapped."""
+    from worker.engines.native import paged_decode as pd
+
+    kernel, seen = pd._decode_kernel, []
+
+    class Recorded:  # (SPLITS, maxnreg, the compiled kernel's registers) of each launch
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                compiled = kernel[grid](*args, **kwargs)
+                seen.append((kwargs["SPLITS"], kwargs.get("maxnreg"), compiled.n_regs))
+                return compiled
+            return run
+
+    monkeypatch.setattr(pd, "_decode_kernel", Recorded())
+    torch.manual_seed(0)
+    block_size, blocks, kv_heads, dim = 16, 4096, 8, 64  # Llama-1B's heads
+    k = torch.randn(blocks * block_size, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    for rows in (4, 128):  # 32 programs split their contexts; 1,024 walk them whole in 64-token tiles
+        lens = torch.randint(1, 300, (rows,), dtype=torch.int32, device="cuda")
+        tables = torch.randint(0, blocks, (rows, 19), dtype=torch.int32, device="cuda")
+        q = torch.randn(rows, 4 * kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+        outs = []
+        for caps in ({}, {torch.cuda.get_device_capability(): ((dim, 64, 48),)}):
+            monkeypatch.setattr(pd, "REGISTER_CAPS", caps)
+            outs.append(pd.paged_decode(q, k, v, tables, lens, block_size))
+        assert torch.equal(*outs)
+    assert [launch[:2] for launch in seen] == [(8, None), (8, None), (1, None), (1, 48)]
+    assert seen[3][2] <= 48 < seen[2][2]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton decode kernel runs on CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_decode_launch_for_long_contexts_matches_the_gather_path(dtype):
     """A step with a context past paged_decode.LONG_CONTEXT: 6 sequences split their contexts in up to

@@ -24,12 +24,8 @@ except ImportError:  # CPU installs have no Triton: attention.py's torch paths s
     triton = None
 
 DECODE_STAGES = 2
-"""The decode kernel's software pipeline: with PDL on an H100, 16 layers of the Llama-1B shape at batch 1
-took 3.0 / 6.1 / 8.8 us of attention a layer at contexts of 128 / 320 / 1024 tokens against 3.8 /
-7.0 / 9.5 with 3 stages (128-token tiles: 3.4 / 5.8 / 8.8). Alone (a graph of 20 calls, no PDL),
-256-token tiles and 3 stages looked better at batch 1 (256 / 384 tokens: 4.5 / 6.3 us against
-5.9 / 8.1), but in the engine's graphs the step at batch 1 went from 1.072 to 1.081 ms and at 16
-from 1.375 to 1.361 (two rounds each): not kept."""
+"""The decode kernel's software pipeline: 3 stages, and 256-token tiles with them, were slower in the
+engine's graphs with PDL (H100, 1B batch 1 / 16; docs/benchmarks.md)."""
 SPLIT_PROGRAMS = 256
 """A decode launch of fewer (sequence, KV head) programs than this splits each context in about
 SPLIT_PROGRAMS / (batch x KV heads) parts (a power of two): few sequences, read by enough programs."""
@@ -38,11 +34,7 @@ LONG_CONTEXT = 2048
 MAX_SPLITS parts, where there are fewer than SPLIT_PROGRAMS programs; a shorter one in up to
 SHORT_SPLITS, where there are fewer than SHORT_PROGRAMS. A launch's parts that a context leaves
 without tiles still start and wait, which costs short contexts what long ones gain from more parts,
-so the CUDA graphs hold both launches where they differ (graphs.py). H200, the kernel alone, us a
-call (KV beyond L2, each call reading its own), the short launch against the long one: 256 tokens,
-batch 1 / 16, heads of 64 5.3 / 6.9 against 5.5 / 7.3, heads of 128 6.8 / 9.6 against 6.7 / 10.6;
-2,048 tokens, batch 1, 10.8 against 12.1 and 12.8 against 16.1; 4,096 tokens, batch 1, the short
-launch's split counts with the combine before took 18.8 and 23.2, the long launch 13.6 and 17.5."""
+so the CUDA graphs hold both launches where they differ (graphs.py; figures in docs/benchmarks.md)."""
 MAX_SPLITS = 64
 SHORT_SPLITS = 8
 LONG_ROWS = 4
@@ -64,13 +56,16 @@ rounds: 8B, 64-token tiles (from 64 rows), batch 256 with two 16k among 2,500-to
 -> 25.847, 128 with two 16k among 1k 10.146 -> 9.845, 64 with one 32k among 256 6.825 -> 6.665;
 elsewhere they stay: 8B 128-token tiles (32 rows) 8.700 -> 8.863, 1B 64-token tiles 6.976 -> 7.566
 (batch 256, two 16k; registers 80 -> 96), 128-token tiles 0.98-1.02x (docs/benchmarks.md)."""
+REGISTER_CAPS = {(9, 0): ((64, 64, 64),)}
+"""Per compute capability, (head_dim, tile, registers a thread) of unsplit launches compiled under
+that cap: 64 registers, not 78, place 8 programs a SM, not 6, none spilled, so Llama-1B's 112-128 and
+208-256 rows take a wave of programs fewer. H200, engine device floors at 256-token contexts, ms a
+step: batch 112 / 128 / 256 1.480 / 1.520 / 2.132 -> 1.412 / 1.466 / 2.094; 96, 192, 224 within 1%.
+Heads of 128 gained nothing at 72-88 (docs/benchmarks.md)."""
 SHORT_PROGRAMS = 128
 PART_TILES = 1
 """Each part of a split context walks at least this many tiles, and about sqrt(tiles x PART_SCALE):
-more parts walk fewer tiles each and leave more to combine. H200, the kernel alone, us a call, the
-part rule without the square root (PART_SCALE 0) / with it (0.25) / 0.5: heads of 64 at batch 1, 4k
-tokens, 17.1 / 13.6 / 17.0, 16k 28.9 / 29.0 / 32.6; heads of 128 at 4k 23.2 / 17.5 / 22.6, 16k 40.5 /
-39.4 / 43.3; batch 4 at 1k (heads of 64) 10.4 / 10.4 / 11.5. 1 since WHOLE_TILES 2."""
+more parts walk fewer tiles each and leave more to combine (figures in docs/benchmarks.md)."""
 PART_SCALE = 0.25
 WHOLE_TILES = 2
 """Contexts of at most this many tiles are never split; past it, where few programs run (batch 1-15
@@ -80,12 +75,8 @@ COMBINE_PARTS = 8
 """Parts the last one to finish loads at a time to combine them (COMBINE_PARTS x group x head_dim registers)."""
 WIDE_TILE_LANES = 1 << 15
 """An unsplit decode whose programs hold at most this many head-dim lanes in all (batch x KV heads
-x head_dim) walks 128-token tiles, not 64: few programs a SM, each needs more bytes in flight. On
-an H200, 16 calls in a CUDA graph, 64 -> 128-token tiles, us a call at contexts of 256 / 512 / 1,024
-(random blocks): head_dim 64, batch 16 6.1 / 10.3 / 19.1 -> 5.4 / 8.5 / 14.7, 32 7.2 / 12.2 / 31.8
--> 6.8 / 10.5 / 25.1, 64 9.1 / 23.2 / 40.2 -> 8.6 / 20.6 / 35.9, but 128 20.0 / 35.6 / 66.3 -> 21.1
-/ 37.7 / 70.2; head_dim 128, batch 16 8.2 / 14.1 / 34.1 -> 7.4 / 12.6 / 27.6, 32 10.2 / 23.5 / 41.2
--> 9.6 / 21.7 / 36.7, but 64 20.9 / 36.2 / 66.6 -> 22.3 / 39.3 / 74.2."""
+x head_dim) walks 128-token tiles, not 64: few programs a SM, each needs more bytes in flight
+(figures in docs/benchmarks.md)."""
 
 
 _ARRIVALS: dict[torch.device, torch.Tensor] = {}
@@ -183,8 +174,15 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         TILE=block_size * tile_blocks, IEEE=q.dtype == torch.float32, SPLITS=splits, WHOLE_TILES=WHOLE_TILES,
         COMBINE=min(COMBINE_PARTS, splits), LONG_ROWS=slots_long, ROWS=scan,
         LEAVE=bool(slots_long) and (dim, block_size * tile_blocks) in LEAVE_EARLY,
-        ROPE=rope is not None, PDL=early, num_warps=4, num_stages=DECODE_STAGES, launch_pdl=early)
+        ROPE=rope is not None, PDL=early, num_warps=4, num_stages=DECODE_STAGES, launch_pdl=early,
+        **_register_cap(q.device, dim, block_size * tile_blocks, splits == 1 and not slots_long))
     return out
+
+
+def _register_cap(device: torch.device, dim: int, tile: int, unsplit: bool) -> dict:
+    """The launch's maxnreg where REGISTER_CAPS holds one for this device, head size and tile."""
+    caps = REGISTER_CAPS.get(torch.cuda.get_device_capability(device)) if unsplit and device.type == "cuda" else None
+    return next(({"maxnreg": regs} for d, t, regs in caps or () if (d, t) == (dim, tile)), {})
 
 
 if triton is not None:
