@@ -67,7 +67,8 @@ async def shape_run(name: str, lengths: list[int], repeats: int, peak: float, wo
             prompt = lambda n: [rng.randrange(2, vocab) for _ in range(n)]  # noqa: E731
             cold = await first_token_ms(engine, prompt(length))
             warm = [await first_token_ms(engine, prompt(length + i)) for i in range(1, repeats + 1)]
-            bound_ms = engine.pacer.cost(length, 0) / peak * 1000
+            work = engine.pacer.work(length, 0)
+            bound_ms = (work.linear + work.pairs) / peak * 1000
             rows.append({"prompt_tokens": length, "cold_ms": cold, "ttft_ms": statistics.median(warm),
                          "ttft_ms_runs": warm, "prefill_flops_bound_ms": bound_ms,
                          "in_graphs": length <= engine.graphs.max_batch

@@ -144,9 +144,9 @@ def test_a_burst_of_short_prompts_beside_decodes_joins_within_the_pacers_time():
     for seq in burst:
         lanes.add(seq)
     pacer = lanes.pacer
-    decodes = 2 * pacer.cost(1, 8)
+    decodes = 2 * pacer.work(1, 8)
     # Measured so the target holds the decodes and three and a half 7-token prompts.
-    pacer.record(decodes + 3.5 * pacer.cost(7, 0), pacer.target_s, 16)
+    pacer.record(decodes + 3.5 * pacer.work(7, 0), pacer.target_s, 16)
     step = lanes.schedule()
     assert step[:2] == [(seq, 1) for seq in running]
     assert step[2:5] == [(seq, 7) for seq in burst[:3]]

@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2
 
 from tests.conftest import running_worker
 from worker.engines.native.model import ModelConfig
-from worker.engines.native.pacer import MIN_CHUNK, PrefillPacer
+from worker.engines.native.pacer import MIN_CHUNK, PrefillPacer, Work
 from worker.gen.cyllm.inference.v1 import inference_pb2 as pb
 from worker.server import INFERENCE_SERVICE
 
@@ -21,15 +21,39 @@ LONG_PROMPT_TOKENS = 7_800  # the embedded model's context is 8,192
 
 def test_pacer_cuts_chunks_to_its_time_and_shrinks_them_as_the_context_grows(embedded_model):
     pacer = PrefillPacer(ModelConfig.from_folder(embedded_model), target_s=0.25)
-    assert pacer.chunk(0, 5000, 2048, 0.0) == 2048, "no rate measured yet: the token budget alone"
-    pacer.record(pacer.cost(512, 0), 0.5, prefill_tokens=512)  # 512 tokens took 0.5 s
-    early, late = pacer.chunk(0, 8000, 2048, 0.0), pacer.chunk(7000, 1000, 2048, 0.0)
+    assert pacer.chunk(0, 5000, 2048, Work()) == 2048, "no rate measured yet: the token budget alone"
+    pacer.record(pacer.work(512, 0), 0.5, prefill_tokens=512)  # 512 tokens took 0.5 s
+    early, late = pacer.chunk(0, 8000, 2048, Work()), pacer.chunk(7000, 1000, 2048, Work())
     assert late < early < 512
     for cached, chunk in ((0, early), (7000, late)):
-        assert pacer.cost(chunk, cached) / pacer.rate <= 0.25 < pacer.cost(chunk + 1, cached) / pacer.rate
-    assert pacer.chunk(7000, 1000, 2048, step_flops=1e15) == MIN_CHUNK, "a full step still moves the prompt"
-    pacer.record(pacer.cost(8, 0), 10.0, prefill_tokens=8)  # too few prompt tokens to say anything
-    assert pacer.chunk(0, 8000, 2048, 0.0) == early
+        assert pacer.priced(pacer.work(chunk, cached)) / pacer.rate <= 0.25 < pacer.priced(pacer.work(chunk + 1, cached)) / pacer.rate
+    assert pacer.chunk(7000, 1000, 2048, step=Work(1e15)) == MIN_CHUNK, "a full step still moves the prompt"
+    pacer.record(pacer.work(8, 0), 10.0, prefill_tokens=8)  # too few prompt tokens to say anything
+    assert pacer.chunk(0, 8000, 2048, Work()) == early
+
+
+def test_the_pacer_learns_what_attention_costs_and_keeps_late_chunks_to_its_time(embedded_model):
+    """Where attention's FLOPs run slower than the linear layers' (a CPU's), chunks priced alike
+    overran the target more as the context grew. The pacer weighs a pair FLOP as the recent steps
+    say, and a slow step (a compile) does not move that."""
+    pacer = PrefillPacer(ModelConfig.from_folder(embedded_model), target_s=0.25)
+    true_weight, linear_rate = 2.5, 5e11  # this device: a pair FLOP takes 2.5 linear ones' time
+
+    def seconds(work: Work) -> float:
+        return (work.linear + true_weight * work.pairs) / linear_rate
+
+    pacer.record(pacer.work(64, 0), seconds(pacer.work(64, 0)), prefill_tokens=64)  # the warm-up
+    assert pacer.weight == 1.0, "a step of little attention says little of its weight"
+    cached, times = 0, []
+    while cached < 7_800:
+        chunk = pacer.chunk(cached, 7_800 - cached, 2048, Work())
+        work = pacer.work(chunk, cached)
+        times.append(seconds(work))
+        pacer.record(work, 5.0 if len(times) == 6 else times[-1], prefill_tokens=chunk)  # the 6th compiled
+        cached += chunk
+    # (Priced alike, the 2nd-12th chunks took 0.32-0.46 s. The last chunk is what is left.)
+    assert len(times) > 40 and all(0.2 <= t <= 0.28 for t in times[1:-1]), times
+    assert 2 ** -0.25 <= pacer.weight / true_weight <= 2 ** 0.25
 
 
 def test_a_step_slower_than_the_device_does_not_cut_the_chunks(embedded_model):
@@ -37,17 +61,17 @@ def test_a_step_slower_than_the_device_does_not_cut_the_chunks(embedded_model):
     short chunk bound by the host's launches) must not cut later prompts into chunks: the rate is
     the fastest recent step's, measured down to the smallest chunk."""
     pacer = PrefillPacer(ModelConfig.from_folder(embedded_model), target_s=0.25)
-    pacer.record(pacer.cost(60, 0), 1.0, prefill_tokens=60)  # compiled its kernels
-    assert pacer.chunk(0, 1000, 2048, 0.0) == MIN_CHUNK
-    pacer.record(pacer.cost(MIN_CHUNK, 0), pacer.cost(MIN_CHUNK, 0) / 1e13, prefill_tokens=MIN_CHUNK)
-    assert pacer.chunk(0, 1000, 2048, 0.0) == 1000, "measured again at the smallest chunk"
+    pacer.record(pacer.work(60, 0), 1.0, prefill_tokens=60)  # compiled its kernels
+    assert pacer.chunk(0, 1000, 2048, Work()) == MIN_CHUNK
+    pacer.record(pacer.work(MIN_CHUNK, 0), pacer.priced(pacer.work(MIN_CHUNK, 0)) / 1e13, prefill_tokens=MIN_CHUNK)
+    assert pacer.chunk(0, 1000, 2048, Work()) == 1000, "measured again at the smallest chunk"
     for _ in range(5):  # host-bound steps and another compile: far below the device's rate
-        pacer.record(pacer.cost(40, 0), 0.007, prefill_tokens=40)
-    pacer.record(pacer.cost(200, 0), 0.5, prefill_tokens=200)
-    assert pacer.chunk(0, 4000, 8192, 0.0) == 4000  # 1.6 TFLOP: 0.16 s at the device's rate
+        pacer.record(pacer.work(40, 0), 0.007, prefill_tokens=40)
+    pacer.record(pacer.work(200, 0), 0.5, prefill_tokens=200)
+    assert pacer.chunk(0, 4000, 8192, Work()) == 4000  # 1.6 TFLOP: 0.16 s at the device's rate
     for cached in range(0, 16 * 40, 40):  # a slower device: the fastest of the last 16 steps counts
-        pacer.record(pacer.cost(40, cached), 0.1, prefill_tokens=40)
-    assert pacer.chunk(0, 1000, 2048, 0.0) < 1000
+        pacer.record(pacer.work(40, cached), 0.1, prefill_tokens=40)
+    assert pacer.chunk(0, 1000, 2048, Work()) < 1000
 
 
 def long_request(**fields) -> pb.PredictRequest:

@@ -15,7 +15,7 @@ from collections import deque
 from typing import Callable
 
 from worker.engines.native.block_manager import BlockManager
-from worker.engines.native.pacer import PrefillPacer
+from worker.engines.native.pacer import PrefillPacer, Work
 from worker.engines.native.sequence import Sequence
 from worker.engines.native.speculation import Speculator
 
@@ -29,7 +29,7 @@ class Batcher:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.prefix_queried_tokens = self.prefix_hit_tokens = 0
-        self.step_flops = 0.0  # of the step last scheduled, priced by the PrefillPacer
+        self.step_work = Work()  # of the step last scheduled, priced by the PrefillPacer
 
     def __len__(self) -> int:
         return len(self.waiting) + len(self.running)
@@ -50,7 +50,7 @@ class Batcher:
         """(sequence, tokens this step): a decode for each running one (and their proposals, unless a
         prompt joins on CUDA), then prefill chunks within the budget and pacer."""
         budget = self.max_batched_tokens
-        self.step_flops = 0.0
+        self.step_work = Work()
         scheduled: list[tuple[Sequence, int]] = []
         preempted: set[int] = set()
         for seq in list(self.running):
@@ -73,7 +73,7 @@ class Batcher:
         if self.speculator.settings.num_tokens and not (self.overlap and joins):
             budget -= self.speculator.propose(scheduled, self.blocks, self.overlap)
         if joins:  # price the decodes
-            self.step_flops = sum(self.pacer.cost(count, seq.num_cached) for seq, count in scheduled)
+            self.step_work = sum((self.pacer.work(count, seq.num_cached) for seq, count in scheduled), Work())
         self._admit(scheduled, budget)
         return scheduled
 
@@ -98,7 +98,7 @@ class Batcher:
         scheduled = [(seq, 1) for seq in seqs]
         if not self.waiting:
             return scheduled
-        counters = self.prefix_queried_tokens, self.prefix_hit_tokens, self.step_flops
+        counters = self.prefix_queried_tokens, self.prefix_hit_tokens, self.step_work
         partial = bool(self.waiting[0].blocks)  # a prompt part computed (chunked): only the oldest can be
         if self._admit(scheduled, min(self.max_batched_tokens, rows) - len(seqs), fits):
             return scheduled  # every prompt that a slot and the blocks allow joined
@@ -111,7 +111,7 @@ class Batcher:
             self.blocks.release(seq.blocks)
             seq.num_cached = 0
             self.waiting.appendleft(seq)
-        self.prefix_queried_tokens, self.prefix_hit_tokens, self.step_flops = counters
+        self.prefix_queried_tokens, self.prefix_hit_tokens, self.step_work = counters
         return None
 
     def _waiting_over(self, tokens: int) -> bool:
@@ -139,7 +139,7 @@ class Batcher:
             left = len(seq.tokens) - seq.num_cached
             if whole is None:
                 # 0 when the step is full by the pacer's time: the prompt waits, as for want of blocks
-                chunk, refused = self.pacer.chunk(seq.num_cached, left, budget, self.step_flops, first), False
+                chunk, refused = self.pacer.chunk(seq.num_cached, left, budget, self.step_work, first), False
             else:
                 chunk = left
                 refused = seq.scores_prompt or chunk > budget or not whole(seq, chunk)
@@ -154,7 +154,7 @@ class Batcher:
             self.blocks.grow(seq.blocks, seq.num_cached + chunk)
             scheduled.append((seq, chunk))
             budget, first = budget - chunk, False
-            self.step_flops += self.pacer.cost(chunk, seq.num_cached)
+            self.step_work += self.pacer.work(chunk, seq.num_cached)
             if seq.num_cached + chunk == len(seq.tokens):
                 self.running.append(self.waiting.popleft())
             else:

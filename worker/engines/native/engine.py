@@ -217,7 +217,7 @@ class NativeEngine(ThreadedEngine):
             if step is None:
                 started = time.monotonic()
                 step = self._launch(self.batcher.schedule())
-                step.flops, step.launched_at = self.batcher.step_flops, started
+                step.work, step.launched_at = self.batcher.step_work, started
             before = time.monotonic()
             ahead = launch_ahead(self, step) if self.overlap else None
             ahead_s = time.monotonic() - before  # the next step's host work, not this one's cost
@@ -238,8 +238,8 @@ class NativeEngine(ThreadedEngine):
                     chained = not step.launched_at and not any(step.drafts)  # (checks launched ahead: proposing)
                     self.speculator.record_period(chained, sum(len(t) for _, t in self._pending),
                                                   step.num_seqs, self.last_step_at - previous)
-            if step.flops:  # priced: it may have prefilled
-                self.pacer.record(step.flops, self.last_step_at - step.launched_at, prefilled)
+            if step.work:  # priced: it may have prefilled
+                self.pacer.record(step.work, self.last_step_at - step.launched_at, prefilled)
             step = ahead
             if not self.overlap and self._emit():
                 # An empty row costs the step 1/rows of its tokens: worth a wait of up to that.

@@ -13,6 +13,7 @@ from worker.engines.detokenizer import OutputText
 from worker.engines.logprobs import Pending, of_prompt
 from worker.engines.native.block_manager import BlockTable
 from worker.engines.native.batch import Batch
+from worker.engines.native.pacer import Work
 from worker.engines.native.speculation import Proposer
 from worker.engines.sampler import Draws, Rows, choose, on_device
 from worker.request import GenerationRequest, TokenLogprob
@@ -120,8 +121,8 @@ class Step:
     tokens: torch.Tensor | None = None
     host_tokens: torch.Tensor | None = None
     copied: torch.cuda.Event | None = None
-    flops: float = 0.0
-    """Priced by the PrefillPacer when scheduled (0 for a step launched ahead: decodes only)."""
+    work: Work = field(default_factory=Work)
+    """Priced by the PrefillPacer when scheduled (none for a step launched ahead: decodes only)."""
     launched_at: float = 0.0
     logprobs: Pending | None = None
     """Of the `ready` rows whose requests asked, in order."""
