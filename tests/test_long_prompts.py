@@ -26,7 +26,8 @@ def test_pacer_cuts_chunks_to_its_time_and_shrinks_them_as_the_context_grows(emb
     early, late = pacer.chunk(0, 8000, 2048, Work()), pacer.chunk(7000, 1000, 2048, Work())
     assert late < early < 512
     for cached, chunk in ((0, early), (7000, late)):
-        assert pacer.priced(pacer.work(chunk, cached)) / pacer.rate <= 0.25 < pacer.priced(pacer.work(chunk + 1, cached)) / pacer.rate
+        seconds = [pacer.priced(pacer.work(n, cached)) / pacer.rate for n in (chunk, chunk + 1)]
+        assert seconds[0] <= 0.25 < seconds[1]
     assert pacer.chunk(7000, 1000, 2048, step=Work(1e15)) == MIN_CHUNK, "a full step still moves the prompt"
     pacer.record(pacer.work(8, 0), 10.0, prefill_tokens=8)  # too few prompt tokens to say anything
     assert pacer.chunk(0, 8000, 2048, Work()) == early

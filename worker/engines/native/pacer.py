@@ -115,11 +115,10 @@ class PrefillPacer:
         if prefill_tokens < MEASURED_TOKENS or seconds <= 0:
             return
         self._measured.append((work, seconds))
-        # (weights, steps): each step's time over its prediction at each weight's fastest rate
-        work = np.array([(w.linear, w.pairs, s) for w, s in self._measured]).T
-        priced = work[0] + WEIGHTS[:, None] * work[1]
-        rates = (priced / work[2]).max(axis=1)
-        overrun = np.minimum(work[2] * rates[:, None] / priced - 1, OVERRUN_CAP).mean(axis=1)
+        linear, pairs, times = np.array([(w.linear, w.pairs, s) for w, s in self._measured]).T
+        priced = linear + WEIGHTS[:, None] * pairs  # (weights, steps)
+        rates = (priced / times).max(axis=1)  # each weight's fastest step
+        overrun = np.minimum(times * rates[:, None] / priced - 1, OVERRUN_CAP).mean(axis=1)
         near = np.flatnonzero(overrun <= overrun.min() + FIT_SLACK)
         chosen = near[np.abs(np.log(WEIGHTS[near] / self.weight)).argmin()]
         self.weight, self.rate = float(WEIGHTS[chosen]), float(rates[chosen])
