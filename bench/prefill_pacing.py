@@ -1,9 +1,9 @@
 """How long the native engine's prefill chunks take against the PrefillPacer's target as a long
 prompt's context grows: the pacer as it ships (attention's FLOPs weighed as the recent steps say)
 against every FLOP priced alike (the rule before: WEIGHTS pinned to 1), each run an engine in a
-process of its own, the rules alternated round by round, the same prompt in a round. A chunk past its target is what an abort, a
-deadline or another stream's next token waits for beyond it; a chunk under it costs the prompt
-steps, so the time to its first token is reported beside.
+process of its own, the rules alternated round by round, the same prompt in a round. A chunk past
+its target is what an abort, a deadline or another stream's next token waits for beyond it; a
+chunk under it costs the prompt steps, so the time to its first token is reported beside.
 
 The embedded model by default (a 7,800-token prompt of its 8,192); --model takes a folder (on a CUDA
 GPU, in bf16). The engine's own token budget a step (2,048). Writes
@@ -34,7 +34,7 @@ from bench.structured import drawn_at_random, machine  # noqa: E402
 from worker.engines.native import pacer as pacing  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
-EMBEDDED = Path.home() / ".cache" / "cy-llm" / "models" / "smollm2-135m-instruct"
+EMBEDDED = "smollm2-135m-instruct"  # the embedded model, by its name (prepared on first use)
 RULES = {"weighted": pacing.WEIGHTS, "alike": np.ones(1)}
 
 
@@ -99,9 +99,9 @@ def plot(result: dict, path: Path) -> None:
 
 async def one_run(options) -> dict:
     """One engine under `options.one`'s rule, one prompt after its warm-up."""
-    folder = Path(options.model) if options.model else EMBEDDED
     pacing.WEIGHTS = RULES[options.one]  # read by each record()
-    engine = engine_for(folder, "bfloat16" if DEVICE == "cuda" else "auto", max_num_batched_tokens=2048, max_num_seqs=8)
+    engine = engine_for(Path(options.model or EMBEDDED), "bfloat16" if DEVICE == "cuda" else "auto",
+                        max_num_batched_tokens=2048, max_num_seqs=8)
     await engine.load_model()
     await engine.warmup()
     steps = recorded(engine)
@@ -109,7 +109,8 @@ async def one_run(options) -> dict:
     result = await run_requests(engine, [prompt], 1)
     await unload(engine)
     return {"rule": options.one, "tokens": options.tokens, "ttft_s": round(result["wall_s"], 3),
-            "target_s": engine.pacer.target_s, "weight": engine.pacer.weight, "steps": [s for s in steps if "seconds" in s]}
+            "target_s": engine.pacer.target_s, "weight": engine.pacer.weight,
+            "steps": [s for s in steps if "seconds" in s]}
 
 
 def run(options) -> dict:
@@ -125,9 +126,9 @@ def run(options) -> dict:
             over = [s["seconds"] / runs[-1]["target_s"] for s in runs[-1]["steps"][:-1]]
             print(f"round {round_} {rule:8s}: {len(over) + 1} steps, {runs[-1]['ttft_s']:.2f} s, chunks "
                   f"{min(over):.2f}-{max(over):.2f}x the target, weight {runs[-1]['weight']:.2f}", flush=True)
-    folder = Path(options.model) if options.model else EMBEDDED
     return {"benchmark": "prefill_pacing", "machine": machine(DEVICE), "when": time.strftime("%Y-%m-%d %H:%M"),
-            "options": vars(options), "random_weights": drawn_at_random(folder), "target_s": runs[0]["target_s"],
+            "options": vars(options), "random_weights": drawn_at_random(Path(options.model or EMBEDDED)),
+            "target_s": runs[0]["target_s"],
             "runs": runs, "summary": summary(runs, runs[0]["target_s"])}
 
 
