@@ -73,7 +73,7 @@ class Batcher:
         if self.speculator.settings.num_tokens and not (self.overlap and joins):
             budget -= self.speculator.propose(scheduled, self.blocks, self.overlap)
         if joins:  # price the decodes
-            self.step_work = sum((self.pacer.work(count, seq.num_cached) for seq, count in scheduled), Work())
+            self.step_work = self.pacer.work_of((count, seq.num_cached) for seq, count in scheduled)
         self._admit(scheduled, budget)
         return scheduled
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -86,7 +87,16 @@ class PrefillPacer:
     def work(self, tokens: int, cached: int) -> Work:
         """`tokens` new tokens of a sequence after `cached` ones: each attends to the cached ones and
         to the new ones up to itself."""
-        return Work(tokens * self.token_flops, tokens * self.pair_flops * (cached + (tokens + 1) / 2))
+        return self.work_of(((tokens, cached),))
+
+    def work_of(self, rows: Iterable[tuple[int, int]]) -> Work:
+        """work() of (tokens, cached) rows together, summed as floats: a step's decodes (256 rows
+        priced one Work at a time took 360 us of the engine thread, against 40)."""
+        tokens = pairs = 0.0
+        for count, cached in rows:
+            tokens += count
+            pairs += count * (cached + (count + 1) / 2)
+        return Work(tokens * self.token_flops, pairs * self.pair_flops)
 
     def priced(self, work: Work) -> float:
         """`work` in linear FLOPs."""
